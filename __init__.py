@@ -1,0 +1,23 @@
+"""gradfx: compiled autograd for PyTorch, in Python.
+
+Wrap ``loss.backward()`` (or ``torch.autograd.grad``) in
+``with gradfx.compiled_autograd(backend=...)``: gradfx walks the autograd graph,
+traces every backward computation into a torch.fx graph on fake tensors, runs
+reorder and dead-code passes, hands the graph to a backend compiler and caches the
+result for as long as the autograd graph keeps its structure.
+
+The names in ``__all__`` are the stable public API (see the README).
+"""
+
+from .backends import list_backends, register_backend
+from .capture import CapturedGraph, FallbackWarning, Unsupported
+from .capture.api import capture, compiled_autograd
+from .capture.cache import set_cache_size
+from .capture.session import reset, stats
+from .reorder import list_passes
+
+__all__ = [
+    "CapturedGraph", "FallbackWarning", "Unsupported", "capture", "compiled_autograd",
+    "list_backends", "list_passes", "register_backend", "reset", "set_cache_size", "stats",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,55 @@
+"""The public entry points: ``compiled_autograd`` and ``capture``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .captured_graph import CapturedGraph
+from .errors import Unsupported, _Fallback
+from .session import Session
+from .tracer import trace_backward
+from .walk import walk_backward
+
+
+def compiled_autograd(backend="eager", *, dynamic="auto", strict=False, passes=None) -> Session:
+    """Context manager: backward calls on this thread inside the block go through gradfx.
+
+    ``backend``: a registered name or a compiler callable ``fn(gm, example_inputs)``
+    (or ``fn(gm)``).  ``dynamic``: ``"auto"``, ``True`` or ``False``.  ``strict``:
+    raise :class:`Unsupported` instead of falling back to eager.  ``passes``: the
+    pass pipeline (names or callables), ``None`` for the default.
+    """
+    return Session(backend, dynamic=dynamic, strict=strict, passes=passes)
+
+
+def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> CapturedGraph:
+    """Trace the backward of ``outputs`` and return the graph, without running it.
+
+    No gradient math runs, no hook is called, no ``.grad`` changes; a later
+    ``backward()`` on the same outputs behaves as if ``capture`` was never called.
+    """
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    if grad_outputs is None:
+        grad_outputs = (None,) * len(outputs)
+    elif isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = (grad_outputs,)
+    grads = []
+    for out, g in zip(outputs, grad_outputs):
+        if g is None:
+            if out.numel() != 1:
+                raise RuntimeError("grad can be implicitly created only for scalar outputs; "
+                                   "pass grad_outputs for non-scalar outputs")
+            g = torch.ones_like(out, memory_format=torch.preserve_format)
+        grads.append(g)
+    if inputs is not None:
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    session = Session("eager", dynamic=dynamic)
+    try:
+        call = walk_backward(outputs, grads, inputs or (), accumulate=inputs is None)
+        trace = trace_backward(call, dynamic=dynamic is True)
+    except _Fallback as fb:
+        raise Unsupported(fb.reason) from None
+    captured, _ = session.compile_graph(trace, call)
+    return captured

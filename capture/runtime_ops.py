@@ -1,0 +1,90 @@
+"""Python functions that captured graphs call at run time.
+
+They appear in the fx graph as ``call_function`` nodes.  Each one is a side effect
+or touches a live Python object, so backends must not trace into them and DCE must
+keep them (``SIDE_EFFECTS`` is the table the DCE pass reads).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or is_non_overlapping_and_dense_or_false(t)
+
+
+def _obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
+    # AccumulateGrad's gradient layout contract: strides of non-size-1 dims match
+    # the parameter's (dense parameter) or the grad is contiguous (otherwise).
+    if _dense(variable):
+        vs = variable.stride()
+        for size, stride, vstride in zip(grad.shape, grad.stride(), vs):
+            if size != 1 and stride != vstride:
+                return False
+        return True
+    return grad.is_contiguous()
+
+
+def _clone_obey_contract(grad: torch.Tensor, variable: torch.Tensor) -> torch.Tensor:
+    if _dense(variable):
+        out = grad.new_empty_strided(variable.shape, variable.stride(), dtype=grad.dtype)
+        return out.copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool) -> None:
+    """AccumulateGrad with eager's semantics (grad mode is off while graphs run).
+
+    The first gradient is stolen (``.grad`` becomes the gradient itself) when
+    nothing else can see it and it obeys the layout contract, as eager does;
+    otherwise it is copied into the parameter's layout.  Later gradients are
+    added in place, keeping ``.grad``'s identity.
+    """
+    if not variable.requires_grad:
+        return
+    old = variable.grad
+    if old is None:
+        if may_steal and not grad.is_sparse and _obeys_layout_contract(grad, variable):
+            variable.grad = grad.detach()
+        else:
+            variable.grad = _clone_obey_contract(grad, variable)
+    elif old.is_sparse and not grad.is_sparse:
+        variable.grad = grad + old
+    else:
+        old += grad
+
+
+def call_node(node, *grads):
+    """Run a real autograd node (an opaque node) and return its outputs as a tuple."""
+    out = node(*grads)
+    return out if type(out) is tuple else (out,)
+
+
+def validate_output(grad, shape, dtype, node_name: str, index: int):
+    """engine.cpp's validate_outputs for one gradient: reduce broadcast, cast dtype."""
+    if grad is None:
+        return None
+    if grad.shape != shape:
+        if not _expandable(shape, grad.shape):
+            raise RuntimeError(
+                f"Function {node_name} returned an invalid gradient at index {index} - got "
+                f"{list(grad.shape)} but expected shape compatible with {list(shape)}")
+        grad = grad.sum_to_size(shape)
+    if grad.dtype != dtype:
+        grad = grad.to(dtype)
+    return grad
+
+
+def _expandable(shape, desired) -> bool:
+    # Can a tensor of `shape` be expanded to `desired`?  (at::is_expandable_to)
+    if len(shape) > len(desired):
+        return False
+    for s, d in zip(reversed(shape), reversed(desired)):
+        if s != d and s != 1:
+            return False
+    return True
+
+
+SIDE_EFFECTS = {accumulate_grad, call_node}

@@ -1,0 +1,140 @@
+"""Ownership of the saved tensors of the nodes gradfx runs.
+
+For every node it executes, gradfx installs its own pack/unpack pair on each saved
+variable (``node._raw_saved_x.register_hooks``).  Registering packs at once, so the
+pack hook hands us the real tensor (a graph input), and the node drops its own
+reference: from then on the ``SavedTensors`` object is the only owner.  That lets
+gradfx
+
+* feed the tensor to the compiled graph, which frees it at its last use;
+* release it after a backward without ``retain_graph`` (a later unpack raises the
+  eager engine's own error);
+* substitute a fake tensor for it while tracing (the unpack hook reads a
+  thread-local substitution table).
+
+A saved variable that already has hooks belongs either to an earlier gradfx run
+(found through ``_owners``, keyed by the node's id and kept alive by the node
+itself) or to the user's ``saved_tensors_hooks``; the latter makes the node opaque.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+FREED_MESSAGE = (
+    "Trying to backward through the graph a second time (or directly access saved "
+    "tensors after they have already been freed). Saved intermediate values of the "
+    "graph are freed when you call .backward() or autograd.grad(). Specify "
+    "retain_graph=True if you need to backward through the graph a second time or "
+    "if you need to access saved tensors after calling backward."
+)
+
+_ALREADY_SET = "hooks have already been set"
+_IS_NONE = "with value None"
+
+_substitution = threading.local()
+
+
+class SavedTensors:
+    """The saved tensors of one node, owned by gradfx (weak-referenceable)."""
+
+    __slots__ = ("tensors", "released", "mask", "__weakref__")
+
+    def __init__(self) -> None:
+        self.tensors: list = []
+        self.released = False
+        self.mask: tuple = ()
+
+    def pack(self, tensor):
+        self.tensors.append(tensor)
+        return (self, len(self.tensors) - 1)
+
+    @staticmethod
+    def unpack(packed):
+        owner, i = packed
+        table = getattr(_substitution, "table", None)
+        if table is not None:
+            fake = table.get((id(owner), i))
+            if fake is not None:
+                return fake
+        if owner.released:
+            raise RuntimeError(FREED_MESSAGE)
+        return owner.tensors[i]
+
+    def release(self) -> None:
+        self.released = True
+        self.tensors = []
+
+
+# id(node) -> SavedTensors.  The node owns its SavedTensors (through the packed
+# tuples), so an entry lives exactly as long as its node and ids cannot be reused.
+_owners: "weakref.WeakValueDictionary[int, SavedTensors]" = weakref.WeakValueDictionary()
+
+
+class ForeignHooks(Exception):
+    """A saved variable of this node carries the user's saved-tensor hooks."""
+
+
+def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
+    """Own the saved tensors of ``node``; return (SavedTensors, defined-mask).
+
+    ``raw_attrs`` lists the node type's ``_raw_saved_*`` attributes (one
+    SavedVariable or a tuple of them) and ``tensor_attrs`` the matching
+    ``_saved_*`` ones.  Undefined (None) saved tensors are ``False`` in the mask.
+    Raises eager's own RuntimeError if the saved tensors were freed or modified in
+    place, ForeignHooks if the user's saved-tensor hooks own them.
+    """
+    owned = SavedTensors()
+    mask = []
+    pack, unpack = owned.pack, SavedTensors.unpack
+    for raw_attr, attr in zip(raw_attrs, tensor_attrs):
+        raw = getattr(node, raw_attr)
+        group = raw if type(raw) is tuple else (raw,)
+        for var in group:
+            try:
+                var.register_hooks(pack, unpack)
+                mask.append(True)
+            except RuntimeError as err:
+                text = str(err)
+                if _IS_NONE in text:
+                    mask.append(False)
+                elif _ALREADY_SET in text:
+                    owned = _adopt(node)
+                    for a in tensor_attrs:
+                        getattr(node, a)  # eager's in-place modification check
+                    return owned, owned.mask
+                else:  # freed by the eager engine: eager's own error
+                    raise RuntimeError(FREED_MESSAGE) from None
+        # Unpacking runs eager's check that the tensor was not modified in place
+        # since it was saved (and raises eager's error if it was).
+        getattr(node, attr)
+    owned.mask = tuple(mask)
+    if owned.tensors:
+        _owners[id(node)] = owned
+    return owned, owned.mask
+
+
+def _adopt(node):
+    """The node's saved variables were hooked by an earlier gradfx run (or the user)."""
+    owned = _owners.get(id(node))
+    if owned is None:
+        raise ForeignHooks(f"{node.name()} has saved tensors under saved_tensors_hooks")
+    if owned.released:
+        raise RuntimeError(FREED_MESSAGE)
+    return owned
+
+
+class substitute:
+    """Context: while tracing, unpacking a gradfx-owned saved tensor yields a fake."""
+
+    def __init__(self, table: dict):
+        self.table = table
+
+    def __enter__(self):
+        self.prev = getattr(_substitution, "table", None)
+        _substitution.table = self.table
+        return self
+
+    def __exit__(self, *exc):
+        _substitution.table = self.prev

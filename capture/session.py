@@ -1,0 +1,217 @@
+"""The ``compiled_autograd`` context manager and the path of one backward call.
+
+While a block is active on a thread, every backward API call made on that thread
+reaches :meth:`Session.run_backward` (see ``routing``).  There the call is walked
+(``walk``), looked up in the cache, traced and compiled on a miss (``tracer``,
+``gradfx.reorder``, ``gradfx.backends``), and run.  Anything that cannot be
+captured runs on the eager engine instead, with one warning per block and reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+
+import torch
+import torch.fx as fx
+
+from .. import backends, reorder
+from . import routing
+from .cache import cache
+from .captured_graph import CapturedGraph
+from .errors import FallbackWarning, Unsupported, _Fallback
+from .tracer import trace_backward
+from .walk import OPAQUE, BackwardCall, walk_backward
+
+log = logging.getLogger("gradfx")
+
+COUNTERS = ("captures", "cache_hits", "fallbacks", "compiles")
+_global_stats = dict.fromkeys(COUNTERS, 0)
+_local = threading.local()
+
+UNUSED_INPUT_MESSAGE = ("One of the differentiated Tensors appears to not have been used in the "
+                        "graph. Set allow_unused=True if this is the desired behavior.")
+
+
+def stats() -> dict:
+    """Counters since the last reset(), for all blocks."""
+    return dict(_global_stats)
+
+
+def reset() -> None:
+    """Clear every cache and counter (registered backends stay)."""
+    cache.clear()
+    for k in _global_stats:
+        _global_stats[k] = 0
+
+
+def current() -> "Session | None":
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+class CompiledBackward:
+    """A cache entry: the compiled callable plus what running it needs."""
+
+    __slots__ = ("fn", "boxed", "captured", "release_after")
+
+    def __init__(self, fn, captured: CapturedGraph, release_after: list[int]):
+        self.fn = fn
+        self.boxed = getattr(fn, "_boxed", None)
+        self.captured = captured
+        self.release_after = release_after  # nodes run opaquely keep their tensors until the end
+
+
+class Session:
+    """State of one ``with gradfx.compiled_autograd(...)`` block."""
+
+    def __init__(self, backend="eager", *, dynamic="auto", strict=False, passes=None):
+        if dynamic not in ("auto", True, False):
+            raise ValueError(f"dynamic must be 'auto', True or False, got {dynamic!r}")
+        self.backend_name, self.backend_fn = backends.lookup(backend)
+        self.passes = reorder.resolve(passes)
+        self.dynamic = dynamic
+        self.strict = bool(strict)
+        self.graphs: list[CapturedGraph] = []
+        self.stats = dict.fromkeys(COUNTERS, 0)
+        self._warned: set[str] = set()
+        self._config_key = (self.backend_name if isinstance(backend, str) else backend,
+                            tuple(name if isinstance(name, str) else fn for name, fn in
+                                  ((n, f) for n, f in self.passes)), dynamic)
+
+    # -- context manager -----------------------------------------------------
+    def __enter__(self) -> "Session":
+        routing.install()
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _local.stack.remove(self)
+
+    def _count(self, name: str) -> None:
+        self.stats[name] += 1
+        _global_stats[name] += 1
+
+    # -- one backward call ---------------------------------------------------
+    def run_backward(self, engine, tensors, grad_tensors, keep_graph, create_graph,
+                     inputs=(), allow_unreachable=True, accumulate_grad=True):
+        args = (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
+        try:
+            if create_graph:
+                raise _Fallback("create_graph=True (double backward)")
+            if torch.is_anomaly_enabled():
+                raise _Fallback("anomaly detection is enabled")
+            for t in tuple(tensors) + tuple(inputs or ()):
+                if not isinstance(t, torch.Tensor):
+                    raise _Fallback(f"a GradientEdge ({type(t).__name__}) as root or input")
+                if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+                    raise _Fallback(f"a tensor subclass ({type(t).__name__})")
+            if any(g is None for g in grad_tensors):
+                raise _Fallback("a root without a gradient")  # eager raises the error
+            call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad)
+            key = (call.key, self._config_key)
+            entry = cache.get(key)
+            if entry is None:
+                entry = self._capture(call)
+                cache.put(key, entry)
+                self._count("captures")
+            else:
+                self._count("cache_hits")
+        except _Fallback as fb:
+            return self._fallback(engine, args, fb.reason)
+        results = _run(entry, call, keep_graph)
+        if not accumulate_grad:
+            if not allow_unreachable and any(r is None for r in results):
+                raise RuntimeError(UNUSED_INPUT_MESSAGE)
+            return results
+        return ()
+
+    def _fallback(self, engine, args, reason: str):
+        if self.strict:
+            raise Unsupported(reason)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"gradfx: running this backward on the eager engine: {reason}",
+                          FallbackWarning, stacklevel=4)
+        self._count("fallbacks")
+        return engine.run_backward(*args)
+
+    def _capture(self, call: BackwardCall) -> CompiledBackward:
+        dynamic = self.dynamic is True
+        try:
+            trace = trace_backward(call, dynamic=dynamic)
+        except _Fallback:
+            raise
+        except Exception as err:
+            # Errors eager raises at the same point (a wrong shape, ...) are eager's.
+            if isinstance(err, RuntimeError) and "returned an invalid gradient" in str(err):
+                raise
+            log.debug("gradfx: trace failed", exc_info=True)
+            raise _Fallback(f"tracing failed ({type(err).__name__}: {err})") from err
+        captured, compiled = self.compile_graph(trace, call)
+        release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
+        self.graphs.append(captured)
+        return CompiledBackward(compiled, captured, release_after)
+
+    def compile_graph(self, trace, call: BackwardCall):
+        start = time.perf_counter()
+        records = reorder.run_pipeline(trace.graph, self.passes)
+        gm = fx.GraphModule(torch.nn.Module(), trace.graph)
+        captured = CapturedGraph(gm, passes=records, opaque_nodes=trace.opaque,
+                                 autograd_nodes=len(call.nodes),
+                                 capture_seconds=trace.seconds, example_inputs=call.inputs)
+        compiled = self._compile(gm, list(call.inputs))
+        log.info("gradfx: captured %d autograd nodes into %d fx nodes (%d opaque); trace %.1f ms, "
+                 "passes+compile %.1f ms with backend %s", len(call.nodes), len(gm.graph.nodes),
+                 len(trace.opaque), trace.seconds * 1e3, (time.perf_counter() - start) * 1e3,
+                 self.backend_name)
+        return captured, compiled
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list):
+        start = time.perf_counter()
+        self._count("compiles")
+        try:
+            compiled = backends.compile_with(self.backend_fn, gm, example_inputs)
+        except Exception as err:
+            if self.strict:
+                raise Unsupported(f"backend {self.backend_name!r} failed to compile: {err}") from err
+            reason = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err}); using eager"
+            if reason not in self._warned:
+                self._warned.add(reason)
+                warnings.warn(f"gradfx: {reason}", FallbackWarning, stacklevel=5)
+            compiled = backends.compile_with(backends.lookup("eager")[1], gm, example_inputs)
+        seconds = time.perf_counter() - start
+        level = logging.INFO if seconds > 1.0 else logging.DEBUG
+        log.log(level, "gradfx: backend %s compiled %d fx nodes in %.2f s", self.backend_name,
+                len(gm.graph.nodes), seconds)
+        return compiled
+
+
+def _run(entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
+    inputs = call.inputs
+    call.inputs = None  # the compiled graph becomes the only owner of its inputs
+    owned = call.owned
+    if not keep_graph:
+        # Traced nodes' saved tensors now live only in `inputs`, so the graph frees
+        # each at its last use; opaque nodes still read theirs and are released after.
+        late = entry.release_after
+        for i, saved in enumerate(owned):
+            if saved is not None and i not in late:
+                saved.release()
+    with torch.no_grad():
+        if entry.boxed is not None:
+            out = entry.boxed(inputs)
+        else:
+            out = entry.fn(*inputs)
+            inputs.clear()
+    del inputs
+    if not keep_graph:
+        for i in entry.release_after:
+            if owned[i] is not None:
+                owned[i].release()
+    return out

@@ -1,0 +1,267 @@
+"""Trace one backward call into a torch.fx graph, on fake tensors.
+
+The loop in :func:`_run_engine` is engine.cpp's ``thread_main`` /
+``evaluate_function`` minus the threads: pop the ready node with the highest
+sequence number, run it, validate its outputs, add them to the input buffers of
+its next nodes in order, and push nodes whose dependencies reach zero.  Running a
+builtin node on fake tensors records the aten ops of its own backward formula
+(torch's proxy mode does the recording); a node that cannot run on fake tensors
+becomes an opaque ``call_node`` of the real node.  Because the order is the
+engine's, buffers are summed and leaves accumulated in eager's order, so replaying
+the graph is bitwise eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import (
+    PythonKeyTracer,
+    ProxyTorchDispatchMode,
+    disable_proxy_modes_tracing,
+    get_proxy_slot,
+    track_tensor_tree,
+)
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from . import runtime_ops
+from .ready_queue import ReadyQueue
+from .saved_tensors import substitute
+from .walk import ACCUMULATE, OPAQUE, TRACED, BackwardCall
+
+log = logging.getLogger("gradfx")
+
+
+@dataclass
+class Trace:
+    graph: fx.Graph
+    opaque: list  # labels of nodes that run opaquely
+    node_labels: dict  # fx node name -> autograd node label
+    seconds: float
+
+
+class _Tracer:
+    def __init__(self, call: BackwardCall, dynamic: bool):
+        self.call = call
+        self.shape_env = ShapeEnv()
+        self.fake_mode = FakeTensorMode(shape_env=self.shape_env, static_shapes=not dynamic)
+        self.tracer = PythonKeyTracer()
+        self.tracer.root = torch.nn.Module()
+        self.tracer.graph = fx.Graph(tracer_cls=PythonKeyTracer)
+        self.tracer.tensor_attrs = {}
+        self.proxy_mode = ProxyTorchDispatchMode(self.tracer, tracing_mode="symbolic" if dynamic else "fake")
+        self.opaque: list = []
+        self.labels: dict = {}
+        self.object_proxies: dict = {}
+
+    # -- inputs --------------------------------------------------------------
+    def placeholders(self):
+        """One placeholder per runtime input; tensors get fakes bound to them."""
+        call = self.call
+        names = {"grad": "grad", "saved": "saved", "variable": "leaf", "node": "node"}
+        fakes = []
+        for i, (value, kind) in enumerate(zip(call.inputs, call.input_kinds)):
+            proxy = self.tracer.create_proxy("placeholder", f"{names[kind]}_{i}", (), {})
+            proxy.node.meta["gradfx_kind"] = kind
+            owner = call.input_owner[i]
+            if owner >= 0:
+                proxy.node.meta["gradfx_node"] = call.node_label(owner)
+            if kind in ("grad", "saved"):
+                fake = self.fake_mode.from_tensor(value)
+                track_tensor_tree(fake, proxy, constant=None, tracer=self.tracer)
+                proxy.node.meta["val"] = fake
+                fakes.append(fake)
+            else:
+                self.object_proxies[i] = proxy
+                fakes.append(value)
+        return fakes
+
+    def proxy(self, x):
+        return get_proxy_slot(x, self.tracer).proxy
+
+    # -- recording side-effecting calls -------------------------------------
+    def record(self, fn, args, label):
+        proxy = self.tracer.create_proxy("call_function", fn, args, {})
+        proxy.node.meta["gradfx_node"] = label
+        return proxy
+
+    def fake_outputs(self, proxy, metas):
+        outs = []
+        with disable_proxy_modes_tracing():
+            for k, meta in enumerate(metas):
+                if meta is None:
+                    outs.append(None)
+                    continue
+                shape, dtype, device = meta
+                fake = torch.empty(shape, dtype=dtype, device=device)
+                outs.append(fake)
+        for k, fake in enumerate(outs):
+            if fake is not None:
+                track_tensor_tree(fake, proxy[k], constant=None, tracer=self.tracer)
+        return outs
+
+    # -- running one node ----------------------------------------------------
+    def run_traced(self, i, node, grads):
+        graph = self.tracer.graph
+        before = list(graph.nodes)[-1]
+        try:
+            out = node(*grads)
+        except Exception as err:  # cannot run on fakes: undo and go opaque
+            for n in reversed(list(graph.nodes)):
+                if n is before:
+                    break
+                graph.erase_node(n)
+            log.debug("gradfx: %s runs opaque (%s: %s)", self.call.node_label(i), type(err).__name__, err)
+            return None
+        return out if type(out) is tuple else (out,)
+
+    def run_opaque(self, i, node, grads, node_input):
+        label = self.call.node_label(i)
+        self.opaque.append(label)
+        args = (self.object_proxies[node_input],) + tuple(
+            None if g is None else self.proxy(g) for g in grads)
+        proxy = self.record(runtime_ops.call_node, args, label)
+        metas = []
+        for e in self.call.edges[i]:
+            if e is None:
+                metas.append(None)
+            else:
+                m = self.call.nodes[e[0]]._input_metadata[e[1]]
+                metas.append((m.shape, m.dtype, m.device))
+        return tuple(self.fake_outputs(proxy, metas))
+
+    def accumulate(self, i, grad, var_input):
+        label = self.call.node_label(i)
+        proxy = self.record(runtime_ops.accumulate_grad,
+                            (self.object_proxies[var_input], self.proxy(grad), False), label)
+        proxy.node.meta["gradfx_kind"] = "accumulate"
+
+
+def _validate(node, outputs, edges, nodes):
+    """engine.cpp validate_outputs on traced (fake) outputs."""
+    if len(outputs) != len(edges):
+        raise RuntimeError(f"Function {node.name()} returned an invalid number of gradients - "
+                           f"expected {len(edges)}, but got {len(outputs)}")
+    result = []
+    for k, (g, e) in enumerate(zip(outputs, edges)):
+        if e is None or g is None:
+            result.append(g)
+            continue
+        meta = nodes[e[0]]._input_metadata[e[1]]
+        result.append(runtime_ops.validate_output(g, meta.shape, meta.dtype, node.name(), k))
+    return result
+
+
+def _run_engine(t: _Tracer, grads):
+    call = t.call
+    nodes, edges, seq, kinds = call.nodes, call.edges, call.seq, call.kinds
+    deps = list(call.deps)
+    needed = call.needed
+    should_run = None
+    if needed is not None:
+        should_run = [needed[i] or i in call.captures for i in range(len(nodes))]
+    buffers: dict[int, list] = {}
+    queue = ReadyQueue()
+    captured = [None] * (len(call.outputs) if call.outputs is not None else 0)
+
+    def deliver(child, nr, grad):
+        # Engine::evaluate_function's loop body for one output edge.
+        deps[child] -= 1
+        buf = buffers.get(child)
+        if buf is None:
+            if should_run is not None and not should_run[child]:
+                return
+            buf = buffers[child] = [None] * len(nodes[child]._input_metadata)
+        if grad is not None:
+            old = buf[nr]
+            buf[nr] = grad if old is None else old + grad
+        if deps[child] == 0:
+            queue.push(seq[child], child)
+
+    if len(call.roots) == 1:
+        (j, nr), = call.roots
+        buffers[j] = [None] * len(nodes[j]._input_metadata)
+        buffers[j][nr] = grads[0]
+        queue.push(seq[j], j)
+    else:  # GraphRoot: hands each root gradient to its edge, in order
+        for (j, nr), g in zip(call.roots, grads):
+            deliver(j, nr, g)
+
+    leaf_grads = {}  # node index -> fx node of the gradient it accumulated
+    while len(queue):
+        i = queue.pop()
+        inputs = buffers.pop(i)
+        if i in call.captures:
+            for nr, pos in call.captures[i]:
+                captured[pos] = inputs[nr]
+        if needed is not None and not needed[i]:
+            continue
+        kind = kinds[i]
+        node = nodes[i]
+        if kind is ACCUMULATE:
+            if inputs[0] is not None:
+                t.accumulate(i, inputs[0], call.node_input[i])
+            continue
+        outputs = None
+        if kind is TRACED:
+            outputs = t.run_traced(i, node, inputs)
+            if outputs is None:
+                kinds[i] = OPAQUE
+        if outputs is None:
+            outputs = t.run_opaque(i, node, inputs, call.node_input[i])
+        else:
+            outputs = _validate(node, outputs, edges[i], nodes)
+        for g, e in zip(outputs, edges[i]):
+            if e is not None:
+                deliver(e[0], e[1], g)
+    return captured
+
+
+def trace_backward(call: BackwardCall, dynamic: bool = False) -> Trace:
+    """Record ``call`` into an fx graph."""
+    start = time.perf_counter()
+    t = _Tracer(call, dynamic)
+    fakes = t.placeholders()
+    grads = fakes[: len(call.roots)]
+    table = {}
+    for i, owned in enumerate(call.owned):
+        if owned is not None:
+            for k, _ in enumerate(owned.tensors):
+                table[(id(owned), k)] = None
+    # map each owned saved tensor to its fake (placeholders are in owner order)
+    pos_by_owner: dict[int, int] = {}
+    for pos, (kind, owner) in enumerate(zip(call.input_kinds, call.input_owner)):
+        if kind == "saved":
+            owned = call.owned[owner]
+            k = pos_by_owner.get(owner, 0)
+            table[(id(owned), k)] = fakes[pos]
+            pos_by_owner[owner] = k + 1
+    with substitute(table), t.fake_mode, t.proxy_mode, torch.no_grad():
+        captured = _run_engine(t, grads)
+    out = []
+    for g in captured:
+        out.append(None if g is None else t.proxy(g).node)
+    t.tracer.graph.output(tuple(out))
+    _mark_steals(t.tracer.graph)
+    return Trace(t.tracer.graph, t.opaque, t.labels, time.perf_counter() - start)
+
+
+def _mark_steals(graph: fx.Graph) -> None:
+    """Let accumulate_grad steal a gradient nothing else can see, as eager does.
+
+    Eager steals when the gradient's refcount says the input buffer is its only
+    owner: not a tensor the caller passed in, and not used by anything still to
+    run.  Here: not a placeholder, and no user after this accumulation.
+    """
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    for node in graph.find_nodes(op="call_function", target=runtime_ops.accumulate_grad):
+        grad = node.args[1]
+        if grad.op == "placeholder":
+            continue
+        if all(order[u] <= order[node] for u in grad.users):
+            node.update_arg(2, True)

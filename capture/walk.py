@@ -1,0 +1,281 @@
+"""One backward call, read off the live autograd graph.
+
+``walk_backward`` does what ``Engine::execute`` does before it runs anything:
+find the root edges, discover every node reachable from them and count its
+dependencies, and (for ``autograd.grad`` / ``backward(inputs=...)``) work out which
+nodes must run (eager's ``exec_info``).  On the way it builds
+
+* the cache key: the structure of the graph (node types, edges, sequence-number
+  order, saved non-tensor values, tensor metadata), never its state;
+* the runtime inputs of the compiled graph: root gradients, saved tensors (taken
+  over from the nodes, see ``saved_tensors``), leaf tensors and opaque nodes.
+
+This runs on every backward, cache hit or not, so it is written as one flat loop
+with per-type facts looked up once per node type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+from . import hook_registry
+from .errors import _Fallback
+from .saved_tensors import ForeignHooks, take_saved
+
+TRACED, ACCUMULATE, OPAQUE = "traced", "accumulate", "opaque"
+
+
+@dataclass(frozen=True)
+class TypeInfo:
+    """What gradfx needs to know about an autograd node type."""
+
+    kind: str
+    raw_saved: tuple[str, ...]  # `_raw_saved_x` attributes (SavedVariables)
+    saved_tensors: tuple[str, ...]  # the matching `_saved_x` attributes
+    saved_values: tuple[str, ...]  # other `_saved_x`: ints, floats, sizes, ...
+
+
+_type_info: dict[type, TypeInfo] = {}
+
+
+def type_info(node_type: type) -> TypeInfo:
+    info = _type_info.get(node_type)
+    if info is None:
+        names = dir(node_type)
+        raw = tuple(n for n in names if n.startswith("_raw_saved_"))
+        tensors = tuple("_saved_" + n[len("_raw_saved_"):] for n in raw)
+        values = tuple(n for n in names if n.startswith("_saved_") and n not in tensors)
+        if node_type.__name__ == "AccumulateGrad":
+            kind = ACCUMULATE
+        elif issubclass(node_type, BackwardCFunction):
+            kind = "python_function"
+        else:
+            kind = TRACED
+        info = _type_info[node_type] = TypeInfo(kind, raw, tensors, values)
+    return info
+
+
+def tensor_meta(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.shape, t.stride(), t.device, t.layout)
+
+
+def _value_key(v):
+    # 1, 1.0 and True compare equal but may trace differently; floats by repr (NaN).
+    tv = type(v)
+    if tv is float:
+        return repr(v)
+    if tv is int or tv is bool:
+        return (tv, v)
+    if tv is tuple:
+        return tuple(_value_key(x) for x in v)
+    if tv is torch.Tensor or isinstance(v, torch.Tensor):
+        return ("tensor",) + tensor_meta(v)
+    try:
+        hash(v)
+        return (tv, v)
+    except TypeError:
+        return (tv, repr(v))
+
+
+@dataclass
+class BackwardCall:
+    """Everything about one backward call that tracing and running need."""
+
+    nodes: list
+    kinds: list
+    edges: list  # per node: tuple of (child index, input_nr) or None
+    seq: list  # per node: sequence number
+    deps: list  # per node: number of incoming edges
+    roots: list  # (node index, input_nr) per root tensor
+    outputs: list | None  # autograd.grad: (node index, input_nr) or None per input
+    accumulate: bool
+    needed: list | None  # exec_info: per node, does it run
+    captures: dict  # node index -> list of (input_nr, output position)
+    owned: list  # per node: SavedTensors or None
+    inputs: list  # runtime inputs, in graph-placeholder order
+    input_kinds: list  # per input: "grad", "saved", "variable", "node"
+    input_owner: list  # per input: node index (-1 for root grads)
+    node_input: dict  # node index -> input position of its node object / leaf tensor
+    key: tuple = field(default=())
+
+    def node_label(self, i: int) -> str:
+        n = self.nodes[i]
+        return f"{n.name()} #{self.seq[i] if self.seq[i] < 2**63 else 'leaf'}"
+
+
+def _root_edge(t: torch.Tensor):
+    fn = t.grad_fn
+    if fn is not None:
+        return fn, t.output_nr
+    if t.requires_grad:
+        edge = torch.autograd.graph.get_gradient_edge(t)
+        return edge.node, edge.output_nr
+    return None, 0
+
+
+def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
+    """Discover the graph of one backward call and collect its runtime inputs."""
+    nodes: list = []
+    index: dict[int, int] = {}
+    roots = []
+    for t in tensors:
+        fn, nr = _root_edge(t)
+        if fn is None:
+            raise _Fallback("a root tensor does not require grad")  # eager raises
+        j = index.get(id(fn))
+        if j is None:
+            j = index[id(fn)] = len(nodes)
+            nodes.append(fn)
+        roots.append((j, nr))
+
+    edges: list = []
+    deps = [0] * len(nodes)
+    if len(roots) > 1:  # GraphRoot holds one edge per root
+        for j, _ in roots:
+            deps[j] += 1
+    i = 0
+    while i < len(nodes):
+        es = []
+        for child, nr in nodes[i].next_functions:
+            if child is None:
+                es.append(None)
+                continue
+            j = index.get(id(child))
+            if j is None:
+                j = index[id(child)] = len(nodes)
+                nodes.append(child)
+                deps.append(0)
+            deps[j] += 1
+            es.append((j, nr))
+        edges.append(tuple(es))
+        i += 1
+
+    outputs = None
+    needed = None
+    captures: dict = {}
+    if inputs:
+        outputs = []
+        for pos, t in enumerate(inputs):
+            fn, nr = _root_edge(t)
+            if fn is None:
+                raise _Fallback("an input does not require grad")  # eager raises
+            if accumulate and t.grad_fn is not None:
+                raise _Fallback("backward(inputs=...) with a non-leaf input")
+            j = index.get(id(fn))
+            outputs.append(None if j is None else (j, nr))
+            if j is not None and not accumulate:
+                captures.setdefault(j, []).append((nr, pos))
+        needed = _exec_info(edges, outputs, accumulate)
+
+    reason = hook_registry.hooks_on(nodes) if hook_registry.active() else None
+    if reason:
+        raise _Fallback(reason)
+
+    n = len(nodes)
+    seq = [node._sequence_nr() for node in nodes]
+    order = sorted(range(n), key=seq.__getitem__)
+    rank = [0] * n
+    for r, j in enumerate(order):
+        rank[j] = r
+
+    kinds = [None] * n
+    owned = [None] * n
+    run_inputs = list(grads)
+    input_kinds = ["grad"] * len(grads)
+    input_owner = [-1] * len(grads)
+    node_input = {}
+    key = [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate,
+           tuple(g.dtype for g in grads), tuple(g.shape for g in grads)]
+    for i, node in enumerate(nodes):
+        runs = needed is None or needed[i]
+        tnode = type(node)
+        info = _type_info.get(tnode) or type_info(tnode)
+        kind = info.kind
+        key.append((tnode, edges[i], rank[i], runs))
+        if not runs:
+            continue
+        if kind is ACCUMULATE:
+            var = node.variable
+            if var._backward_hooks or var._post_accumulate_grad_hooks:
+                raise _Fallback(f"tensor hooks on a leaf ({node.name()})")
+            key.append((var.dtype, var.shape, var.stride(), var.device, var.requires_grad))
+            node_input[i] = len(run_inputs)
+            run_inputs.append(var)
+            input_kinds.append("variable")
+            input_owner.append(i)
+        elif kind is TRACED:
+            for meta in node._input_metadata:
+                key.append((tuple(meta.shape), meta.dtype))
+            for attr in info.saved_values:
+                key.append(_value_key(getattr(node, attr)))
+            if info.raw_saved:
+                try:
+                    saved, mask = take_saved(node, info.raw_saved, info.saved_tensors)
+                except ForeignHooks:
+                    kind = OPAQUE
+                    key.append(OPAQUE)
+                else:
+                    owned[i] = saved
+                    key.append(mask)
+                    for t in saved.tensors:
+                        key.append(tensor_meta(t))
+                        run_inputs.append(t)
+                        input_kinds.append("saved")
+                        input_owner.append(i)
+            # The node itself is an input too: it runs opaquely if it cannot be
+            # traced on fake tensors (and a placeholder nobody uses costs nothing).
+            node_input[i] = len(run_inputs)
+            run_inputs.append(node)
+            input_kinds.append("node")
+            input_owner.append(i)
+        else:
+            raise _Fallback(f"custom autograd.Function {node.name()} "
+                            f"(sequence number {seq[i]})")
+        kinds[i] = kind
+
+    return BackwardCall(nodes, kinds, edges, seq, deps, roots, outputs, accumulate,
+                        needed, captures, owned, run_inputs, input_kinds, input_owner,
+                        node_input, tuple(key))
+
+
+def _exec_info(edges, outputs, accumulate):
+    """Per node: must it run (eager's ``needed_``).  Outputs that only capture don't."""
+    n = len(edges)
+    is_output = [False] * n
+    for o in outputs:
+        if o is not None:
+            is_output[o[0]] = True
+    # should_execute = is an output, or can reach one.  Edges point from a node to
+    # nodes discovered later or earlier, so iterate to a fixed point over a
+    # reverse topological order.
+    order = _topo_order(edges)
+    reach = [False] * n
+    needed = [False] * n
+    for i in reversed(order):
+        child_reaches = any(e is not None and reach[e[0]] for e in edges[i])
+        reach[i] = is_output[i] or child_reaches
+        needed[i] = child_reaches or (accumulate and is_output[i])
+    return needed
+
+
+def _topo_order(edges):
+    n = len(edges)
+    indeg = [0] * n
+    for es in edges:
+        for e in es:
+            if e is not None:
+                indeg[e[0]] += 1
+    ready = [i for i in range(n) if indeg[i] == 0]
+    order = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for e in edges[i]:
+            if e is not None:
+                indeg[e[0]] -= 1
+                if indeg[e[0]] == 0:
+                    ready.append(e[0])
+    return order

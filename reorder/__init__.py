@@ -1,0 +1,99 @@
+"""Passes over captured backward graphs, and the pipeline that runs them.
+
+A pass is a plain function ``fn(graph: torch.fx.Graph) -> None`` that edits the
+graph in place.  Passes are registered by name; :data:`DEFAULT_PIPELINE` names the
+default order.  No pass may change a result or anything a hook can observe:
+they are about order, memory and speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
+
+from .dce import eliminate_dead_code
+from .strip_detach import strip_detach
+
+Pass = Callable[[fx.Graph], None]
+
+_registry: dict[str, Pass] = {}
+
+
+def register_pass(name: str, fn: Pass | None = None):
+    """Register ``fn`` under ``name`` (usable as a decorator)."""
+    def add(f: Pass) -> Pass:
+        _registry[name] = f
+        return f
+    return add(fn) if fn is not None else add
+
+
+register_pass("strip_detach", strip_detach)
+register_pass("dce", eliminate_dead_code)
+
+DEFAULT_PIPELINE: tuple[str, ...] = ("strip_detach", "dce")
+
+
+def list_passes() -> list[str]:
+    """Names of the default pipeline, in order."""
+    return list(DEFAULT_PIPELINE)
+
+
+def resolve(passes) -> list[tuple[str, Pass]]:
+    """Turn a ``passes=`` argument into (name, function) pairs; ValueError if unknown."""
+    if passes is None:
+        passes = DEFAULT_PIPELINE
+    out = []
+    for p in passes:
+        if callable(p):
+            out.append((getattr(p, "__name__", repr(p)), p))
+        elif p in _registry:
+            out.append((p, _registry[p]))
+        else:
+            raise ValueError(f"unknown pass {p!r}; registered passes: {sorted(_registry)}")
+    return out
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did to a graph."""
+
+    name: str
+    nodes_before: int
+    nodes_after: int
+    moved: int
+    seconds: float
+    code_after: str
+
+    @property
+    def removed(self) -> int:
+        return self.nodes_before - self.nodes_after
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.nodes_before} -> {self.nodes_after} nodes "
+                f"({self.removed} removed, {self.moved} moved) in {self.seconds * 1e3:.2f} ms")
+
+
+def run_pipeline(graph: fx.Graph, passes: list[tuple[str, Pass]], keep_code: bool = True) -> list[PassRecord]:
+    """Run ``passes`` in order, linting after each; return what each did."""
+    records = []
+    for name, fn in passes:
+        before = list(graph.nodes)
+        start = time.perf_counter()
+        fn(graph)
+        seconds = time.perf_counter() - start
+        graph.lint()
+        after = list(graph.nodes)
+        records.append(PassRecord(name, len(before), len(after), _moved(before, after), seconds,
+                                  graph.python_code("self").src if keep_code else ""))
+    return records
+
+
+def _moved(before: list, after: list) -> int:
+    """Nodes whose position relative to the other survivors changed."""
+    kept = set(after)
+    old = [n for n in before if n in kept]
+    pos = {n: k for k, n in enumerate(old)}
+    return sum(1 for k, n in enumerate(after) if n in pos and pos[n] != k)
