@@ -9,15 +9,23 @@ result for as long as the autograd graph keeps its structure.
 The names in ``__all__`` are the stable public API (see the README).
 """
 
-from .backends import list_backends, register_backend
-from .capture import CapturedGraph, FallbackWarning, Unsupported
-from .capture.api import capture, compiled_autograd
-from .capture.cache import set_cache_size
-from .capture.session import reset, stats
-from .reorder import list_passes
+if __name__ != "gradfx":
+    # The repository root is this package; pytest imports the root under its folder
+    # name.  A second copy would patch torch a second time with separate state, so
+    # that name becomes the one real gradfx instead.
+    import sys
+    import gradfx as _gradfx
+    sys.modules[__name__] = _gradfx
+else:
+    from .backends import list_backends, register_backend
+    from .capture import CapturedGraph, FallbackWarning, Unsupported
+    from .capture.api import capture, compiled_autograd
+    from .capture.cache import set_cache_size
+    from .capture.session import reset, stats
+    from .reorder import list_passes
 
-__all__ = [
-    "CapturedGraph", "FallbackWarning", "Unsupported", "capture", "compiled_autograd",
-    "list_backends", "list_passes", "register_backend", "reset", "set_cache_size", "stats",
-]
-__version__ = "0.1.0"
+    __all__ = [
+        "CapturedGraph", "FallbackWarning", "Unsupported", "capture", "compiled_autograd",
+        "list_backends", "list_passes", "register_backend", "reset", "set_cache_size", "stats",
+    ]
+    __version__ = "0.1.0"

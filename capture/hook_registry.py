@@ -29,8 +29,9 @@ from torch.autograd.function import _HookMixin
 _by_node: dict[int, list] = {}
 # Tensors with retain_grad()/hooks, to catch a grad_fn replaced by an in-place op.
 _tensors: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
-# Hook dicts created for grad_fn.register_hook / register_prehook.
-_node_hook_dicts: "weakref.WeakSet[OrderedDict]" = weakref.WeakSet()
+# Hook dicts created for grad_fn.register_hook / register_prehook, by id (dicts
+# compare by content, so they cannot go in a WeakSet); entries drop when they die.
+_node_hook_dicts: dict[int, weakref.ref] = {}
 
 
 class _NodeHookDict(OrderedDict):
@@ -68,7 +69,8 @@ def _retain_grad(self):
 def _node_register(backward_hooks, hook):
     if backward_hooks is None:
         backward_hooks = _NodeHookDict()
-        _node_hook_dicts.add(backward_hooks)
+        key = id(backward_hooks)
+        _node_hook_dicts[key] = weakref.ref(backward_hooks, lambda _: _node_hook_dicts.pop(key, None))
     return _orig_node_register(backward_hooks, hook)
 
 
@@ -99,7 +101,7 @@ def active() -> bool:
 
 def hooks_on(nodes) -> str | None:
     """Name the first hook gradfx cannot capture on any of ``nodes``, or None."""
-    if any(len(d) for d in _node_hook_dicts):
+    if any(ref() for ref in list(_node_hook_dicts.values())):
         return "a grad_fn.register_hook/register_prehook hook is registered on some node"
     if _by_node:
         ids = {id(n): n for n in nodes}

@@ -13,14 +13,13 @@ gradfx
   thread-local substitution table).
 
 A saved variable that already has hooks belongs either to an earlier gradfx run
-(found through ``_owners``, keyed by the node's id and kept alive by the node
-itself) or to the user's ``saved_tensors_hooks``; the latter makes the node opaque.
+(its ``unpack_hook`` is ours; a probing unpack raises with the owner) or to the
+user's ``saved_tensors_hooks``; the latter makes the node opaque.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 
 FREED_MESSAGE = (
     "Trying to backward through the graph a second time (or directly access saved "
@@ -30,10 +29,13 @@ FREED_MESSAGE = (
     "if you need to access saved tensors after calling backward."
 )
 
-_ALREADY_SET = "hooks have already been set"
-_IS_NONE = "with value None"
 
-_substitution = threading.local()
+class _State(threading.local):
+    table = None  # while tracing: (id(owner), index) -> fake tensor
+    probe = False  # while adopting: unpack raises _Probe(owner)
+
+
+_substitution = _State()
 
 
 class SavedTensors:
@@ -53,7 +55,9 @@ class SavedTensors:
     @staticmethod
     def unpack(packed):
         owner, i = packed
-        table = getattr(_substitution, "table", None)
+        if _substitution.probe:
+            raise _Probe(owner)
+        table = _substitution.table
         if table is not None:
             fake = table.get((id(owner), i))
             if fake is not None:
@@ -67,9 +71,9 @@ class SavedTensors:
         self.tensors = []
 
 
-# id(node) -> SavedTensors.  The node owns its SavedTensors (through the packed
-# tuples), so an entry lives exactly as long as its node and ids cannot be reused.
-_owners: "weakref.WeakValueDictionary[int, SavedTensors]" = weakref.WeakValueDictionary()
+class _Probe(Exception):
+    def __init__(self, owner):
+        self.owner = owner
 
 
 class ForeignHooks(Exception):
@@ -92,37 +96,44 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
         raw = getattr(node, raw_attr)
         group = raw if type(raw) is tuple else (raw,)
         for var in group:
+            if var.unpack_hook is not None:
+                return _adopt(node, var, attr, tensor_attrs)
+        # Unpacking without hooks runs eager's check that the tensor was not
+        # modified in place since it was saved (and raises eager's error); once
+        # hooks are registered the engine no longer checks.
+        values = getattr(node, attr)
+        if type(values) is not tuple:
+            values = (values,)
+        for var, value in zip(group, values):
+            if value is None:
+                mask.append(False)
+                continue
             try:
                 var.register_hooks(pack, unpack)
-                mask.append(True)
-            except RuntimeError as err:
-                text = str(err)
-                if _IS_NONE in text:
-                    mask.append(False)
-                elif _ALREADY_SET in text:
-                    owned = _adopt(node)
-                    for a in tensor_attrs:
-                        getattr(node, a)  # eager's in-place modification check
-                    return owned, owned.mask
-                else:  # freed by the eager engine: eager's own error
-                    raise RuntimeError(FREED_MESSAGE) from None
-        # Unpacking runs eager's check that the tensor was not modified in place
-        # since it was saved (and raises eager's error if it was).
-        getattr(node, attr)
+            except RuntimeError:  # freed by the eager engine: eager's own error
+                raise RuntimeError(FREED_MESSAGE) from None
+            mask.append(True)
     owned.mask = tuple(mask)
-    if owned.tensors:
-        _owners[id(node)] = owned
     return owned, owned.mask
 
 
-def _adopt(node):
-    """The node's saved variables were hooked by an earlier gradfx run (or the user)."""
-    owned = _owners.get(id(node))
-    if owned is None:
+def _adopt(node, var, attr, tensor_attrs):
+    """The saved variables already have hooks: an earlier gradfx run's, or the user's."""
+    if var.unpack_hook is not SavedTensors.unpack:
         raise ForeignHooks(f"{node.name()} has saved tensors under saved_tensors_hooks")
+    _substitution.probe = True
+    try:
+        getattr(node, attr)
+        raise AssertionError("gradfx's unpack hook did not answer the probe")
+    except _Probe as probe:  # our unpack hands back its owner while probing
+        owned = probe.owner
+    finally:
+        _substitution.probe = False
     if owned.released:
         raise RuntimeError(FREED_MESSAGE)
-    return owned
+    for attr in tensor_attrs:
+        getattr(node, attr)  # eager's in-place modification check
+    return owned, owned.mask
 
 
 class substitute:
@@ -132,7 +143,7 @@ class substitute:
         self.table = table
 
     def __enter__(self):
-        self.prev = getattr(_substitution, "table", None)
+        self.prev = _substitution.table
         _substitution.table = self.table
         return self
 

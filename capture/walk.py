@@ -63,15 +63,19 @@ def tensor_meta(t: torch.Tensor) -> tuple:
 
 
 def _value_key(v):
-    # 1, 1.0 and True compare equal but may trace differently; floats by repr (NaN).
+    """Key for a saved non-tensor value.
+
+    Each attribute of a node type has one C++ type, so tuples (sizes, dims) are
+    used as they are; a lone scalar may be an int, a float or a bool, which compare
+    equal but trace differently, so its type is part of the key (floats by repr,
+    which also makes NaN equal to itself).
+    """
     tv = type(v)
+    if tv is tuple or v is None:
+        return v
     if tv is float:
         return repr(v)
-    if tv is int or tv is bool:
-        return (tv, v)
-    if tv is tuple:
-        return tuple(_value_key(x) for x in v)
-    if tv is torch.Tensor or isinstance(v, torch.Tensor):
+    if isinstance(v, torch.Tensor):
         return ("tensor",) + tensor_meta(v)
     try:
         hash(v)
