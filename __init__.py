@@ -29,3 +29,6 @@ else:
         "list_backends", "list_passes", "register_backend", "reset", "set_cache_size", "stats",
     ]
     __version__ = "0.1.0"
+
+    from .capture.warmup import warm_up as _warm_up
+    _warm_up()

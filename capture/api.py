@@ -51,5 +51,5 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
         trace = trace_backward(call, dynamic=dynamic is True)
     except _Fallback as fb:
         raise Unsupported(fb.reason) from None
-    captured, _ = session.compile_graph(trace, call)
+    captured, _ = session.compile_graph(trace, call, compile=False)
     return captured

@@ -158,14 +158,14 @@ class Session:
         self.graphs.append(captured)
         return CompiledBackward(compiled, captured, release_after)
 
-    def compile_graph(self, trace, call: BackwardCall):
+    def compile_graph(self, trace, call: BackwardCall, compile: bool = True):
         start = time.perf_counter()
         records = reorder.run_pipeline(trace.graph, self.passes)
         gm = fx.GraphModule(torch.nn.Module(), trace.graph)
         captured = CapturedGraph(gm, passes=records, opaque_nodes=trace.opaque,
                                  autograd_nodes=len(call.nodes),
                                  capture_seconds=trace.seconds, example_inputs=call.inputs)
-        compiled = self._compile(gm, list(call.inputs))
+        compiled = self._compile(gm, list(call.inputs)) if compile else None
         log.info("gradfx: captured %d autograd nodes into %d fx nodes (%d opaque); trace %.1f ms, "
                  "passes+compile %.1f ms with backend %s", len(call.nodes), len(gm.graph.nodes),
                  len(trace.opaque), trace.seconds * 1e3, (time.perf_counter() - start) * 1e3,
