@@ -144,19 +144,24 @@ class CapturedGraph:
 
     def save(self, path) -> None:
         """Write a standalone script that rebuilds this graph and runs it on random inputs."""
-        gm = self.graph_module
-        src = gm.code
+        code = self.graph_module.graph.python_code(root_module="self")
         lines = [
             "# Saved by gradfx: a captured backward graph, runnable on its own.",
             "import torch",
             "from torch import device",
-            "import gradfx.capture.runtime_ops as runtime_ops",
-            "accumulate_grad = runtime_ops.accumulate_grad",
-            "call_node = runtime_ops.call_node",
-            "",
-            "class Backward(torch.nn.Module):",
         ]
-        lines += ["    " + l for l in src.strip("\n").splitlines()]
+        for name, obj in code.globals.items():
+            module = getattr(obj, "__module__", None)
+            if name in ("torch", "device") or module is None or not callable(obj):
+                continue
+            if obj is type(None):
+                lines.append(f"{name} = type(None)")
+                continue
+            if module == "builtins":
+                continue
+            lines.append(f"from {module} import {obj.__qualname__} as {name}")
+        lines += ["", "", "class Backward(torch.nn.Module):"]
+        lines += ["    " + l for l in code.src.strip("\n").splitlines()]
         lines += ["", "", "def random_inputs():", "    torch.manual_seed(0)", "    return ["]
         for spec in self._input_specs:
             if spec[0] == "tensor":
