@@ -7,6 +7,8 @@ keep them (``SIDE_EFFECTS`` is the table the DCE pass reads).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
@@ -34,11 +36,17 @@ def _clone_obey_contract(grad: torch.Tensor, variable: torch.Tensor) -> torch.Te
     return grad.clone(memory_format=torch.contiguous_format)
 
 
+# References to an otherwise unshared gradient while accumulate_grad runs: the
+# graph's local variable, this function's argument, getrefcount's own argument.
+_UNSHARED_REFS = 3
+
+
 def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool) -> None:
     """AccumulateGrad with eager's semantics (grad mode is off while graphs run).
 
     The first gradient is stolen (``.grad`` becomes the gradient itself) when
-    nothing else can see it and it obeys the layout contract, as eager does;
+    nothing else can see it (the graph says no later use, and no hook kept a
+    reference) and it obeys the layout contract, as eager does;
     otherwise it is copied into the parameter's layout.  Later gradients are
     added in place, keeping ``.grad``'s identity.
     """
@@ -46,7 +54,8 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool)
         return
     old = variable.grad
     if old is None:
-        if may_steal and not grad.is_sparse and _obeys_layout_contract(grad, variable):
+        if (may_steal and sys.getrefcount(grad) <= _UNSHARED_REFS and grad._use_count() <= 1
+                and not grad.is_sparse and _obeys_layout_contract(grad, variable)):
             variable.grad = grad.detach()
         else:
             variable.grad = _clone_obey_contract(grad, variable)
@@ -87,4 +96,9 @@ def _expandable(shape, desired) -> bool:
     return True
 
 
-SIDE_EFFECTS = {accumulate_grad, call_node}
+def _side_effects():
+    from .hook_ops import HOOK_CALLS
+    return frozenset({accumulate_grad, call_node} | HOOK_CALLS)
+
+
+SIDE_EFFECTS = _side_effects()

@@ -9,6 +9,7 @@ captured runs on the eager engine instead, with one warning per block and reason
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .. import backends, reorder
-from . import routing
+from . import hook_ops, routing
 from .cache import cache
 from .captured_graph import CapturedGraph
 from .errors import FallbackWarning, Unsupported, _Fallback
@@ -55,13 +56,14 @@ def current() -> "Session | None":
 class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
-    __slots__ = ("fn", "boxed", "captured", "release_after")
+    __slots__ = ("fn", "boxed", "captured", "release_after", "has_hooks")
 
-    def __init__(self, fn, captured: CapturedGraph, release_after: list[int]):
+    def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, has_hooks: bool):
         self.fn = fn
         self.boxed = getattr(fn, "_boxed", None)
         self.captured = captured
         self.release_after = release_after  # nodes run opaquely keep their tensors until the end
+        self.has_hooks = has_hooks  # hooks may ask torch about the running graph task
 
 
 class Session:
@@ -156,7 +158,7 @@ class Session:
         captured, compiled = self.compile_graph(trace, call)
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
         self.graphs.append(captured)
-        return CompiledBackward(compiled, captured, release_after)
+        return CompiledBackward(compiled, captured, release_after, bool(call.hooks))
 
     def compile_graph(self, trace, call: BackwardCall, compile: bool = True):
         start = time.perf_counter()
@@ -203,7 +205,8 @@ def _run(entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
         for i, saved in enumerate(owned):
             if saved is not None and i not in late:
                 saved.release()
-    with torch.no_grad():
+    task = hook_ops.graph_task(call.executed_ids()) if entry.has_hooks else contextlib.nullcontext()
+    with torch.no_grad(), task:
         if entry.boxed is not None:
             out = entry.boxed(inputs)
         else:

@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from . import runtime_ops
+from . import hook_ops, runtime_ops
 from .ready_queue import ReadyQueue
 from .saved_tensors import substitute
 from .walk import ACCUMULATE, OPAQUE, TRACED, BackwardCall
@@ -43,6 +43,15 @@ class Trace:
     opaque: list  # labels of nodes that run opaquely
     node_labels: dict  # fx node name -> autograd node label
     seconds: float
+
+
+class _Input:
+    """Stands for a non-tensor runtime input (hook, leaf, node) while tracing."""
+
+    __slots__ = ("pos",)
+
+    def __init__(self, pos: int):
+        self.pos = pos
 
 
 class _Tracer:
@@ -63,7 +72,8 @@ class _Tracer:
     def placeholders(self):
         """One placeholder per runtime input; tensors get fakes bound to them."""
         call = self.call
-        names = {"grad": "grad", "saved": "saved", "variable": "leaf", "node": "node"}
+        names = {"grad": "grad", "saved": "saved", "variable": "leaf", "node": "node",
+                 "hook": "hook", "retained": "retained"}
         fakes = []
         for i, (value, kind) in enumerate(zip(call.inputs, call.input_kinds)):
             proxy = self.tracer.create_proxy("placeholder", f"{names[kind]}_{i}", (), {})
@@ -104,6 +114,71 @@ class _Tracer:
             if fake is not None:
                 track_tensor_tree(fake, proxy[k], constant=None, tracer=self.tracer)
         return outs
+
+    def python_call(self, fn, args, like, label, kind):
+        """Record ``fn(*args)`` with Python semantics; its result looks like ``like``.
+
+        ``like`` is None (no result), a fake tensor or None (one result), or a tuple
+        of those (a tuple result).  Returns fakes bound to the call's proxy.
+        """
+        proxy = self.record(fn, tuple(self.arg(a) for a in args), label)
+        proxy.node.meta["gradfx_kind"] = kind
+        if like is None and not isinstance(like, tuple):
+            return None
+        single = not isinstance(like, tuple)
+        items = (like,) if single else like
+        outs = []
+        with disable_proxy_modes_tracing():
+            for x in items:
+                outs.append(None if x is None else torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                                                      device=x.device))
+        for k, fake in enumerate(outs):
+            if fake is not None:
+                track_tensor_tree(fake, proxy if single else proxy[k], constant=None, tracer=self.tracer)
+        return outs[0] if single else tuple(outs)
+
+    def arg(self, x):
+        if isinstance(x, _Input):
+            return self.object_proxies[x.pos]
+        if isinstance(x, torch.Tensor):
+            return self.proxy(x)
+        if isinstance(x, tuple):
+            return tuple(self.arg(a) for a in x)
+        return x
+
+    # -- hooks, in eager's order ---------------------------------------------
+    def tensor_pre_hooks(self, i, spec, inputs):
+        label = self.call_label(i)
+        inputs = list(inputs)
+        for nr, positions in spec.tensor_pre:
+            for pos in positions:
+                inputs[nr] = self.python_call(hook_ops.call_tensor_hook, (_Input(pos), inputs[nr]),
+                                       inputs[nr], label, "hook")
+        for nr, pos in spec.retain:
+            self.python_call(hook_ops.retain_grad, (_Input(pos), inputs[nr]), None, label, "hook")
+        return inputs
+
+    def pre_hooks(self, i, spec, inputs):
+        label = self.call_label(i)
+        grads = tuple(inputs)
+        for pos in spec.pre:
+            grads = self.python_call(hook_ops.call_pre_hook, (_Input(pos), grads), grads, label, "hook")
+        return list(grads)
+
+    def post_hooks(self, i, spec, outputs, inputs):
+        label = self.call_label(i)
+        outs = tuple(outputs)
+        for pos in spec.post:
+            outs = self.python_call(hook_ops.call_post_hook, (_Input(pos), outs, tuple(inputs)), outs, label, "hook")
+        return list(outs)
+
+    def post_accumulate_hooks(self, i, spec, var_pos):
+        label = self.call_label(i)
+        for pos in spec.post_accumulate:
+            self.python_call(hook_ops.call_post_accumulate_hook, (_Input(pos), _Input(var_pos)), None, label, "hook")
+
+    def call_label(self, i):
+        return self.call.node_label(i)
 
     # -- running one node ----------------------------------------------------
     def run_traced(self, i, node, grads):
@@ -193,19 +268,29 @@ def _run_engine(t: _Tracer, grads):
             deliver(j, nr, g)
 
     leaf_grads = {}  # node index -> fx node of the gradient it accumulated
+    hooks = call.hooks
     while len(queue):
         i = queue.pop()
         inputs = buffers.pop(i)
+        spec = hooks.get(i)
+        if spec is not None:
+            inputs = t.tensor_pre_hooks(i, spec, inputs)
         if i in call.captures:
             for nr, pos in call.captures[i]:
                 captured[pos] = inputs[nr]
         if needed is not None and not needed[i]:
             continue
+        if spec is not None and spec.pre:
+            inputs = t.pre_hooks(i, spec, inputs)
         kind = kinds[i]
         node = nodes[i]
         if kind is ACCUMULATE:
-            if inputs[0] is not None:
+            if inputs[0] is not None and node.variable.requires_grad:
                 t.accumulate(i, inputs[0], call.node_input[i])
+                if spec is not None and spec.post_accumulate:
+                    t.post_accumulate_hooks(i, spec, call.node_input[i])
+            if spec is not None and spec.post:
+                t.post_hooks(i, spec, [], inputs)
             continue
         outputs = None
         if kind is TRACED:
@@ -216,6 +301,8 @@ def _run_engine(t: _Tracer, grads):
             outputs = t.run_opaque(i, node, inputs, call.node_input[i])
         else:
             outputs = _validate(node, outputs, edges[i], nodes)
+        if spec is not None and spec.post:
+            outputs = t.post_hooks(i, spec, outputs, inputs)
         for g, e in zip(outputs, edges[i]):
             if e is not None:
                 deliver(e[0], e[1], g)

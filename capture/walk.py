@@ -85,6 +85,26 @@ def _value_key(v):
 
 
 @dataclass
+class HookSpec:
+    """Hooks of one node, as positions of their callables in the runtime inputs.
+
+    Eager's order: tensor pre-hooks (per hooked output, in registration order),
+    retains-grad hooks, pre-hooks, the node, post-hooks; for a leaf, the
+    accumulation and then its post-accumulate-grad hooks.
+    """
+
+    tensor_pre: list = field(default_factory=list)  # (output_nr, [input positions])
+    retain: list = field(default_factory=list)  # (output_nr, input position of the tensor)
+    pre: list = field(default_factory=list)
+    post: list = field(default_factory=list)
+    post_accumulate: list = field(default_factory=list)
+
+    def key(self) -> tuple:
+        return (tuple((nr, len(p)) for nr, p in self.tensor_pre), tuple(nr for nr, _ in self.retain),
+                len(self.pre), len(self.post), len(self.post_accumulate))
+
+
+@dataclass
 class BackwardCall:
     """Everything about one backward call that tracing and running need."""
 
@@ -103,7 +123,14 @@ class BackwardCall:
     input_kinds: list  # per input: "grad", "saved", "variable", "node"
     input_owner: list  # per input: node index (-1 for root grads)
     node_input: dict  # node index -> input position of its node object / leaf tensor
+    hooks: dict  # node index -> HookSpec
     key: tuple = field(default=())
+
+    def executed_ids(self) -> frozenset:
+        """ids of the nodes this backward executes (for torch._C._will_engine_execute_node)."""
+        if self.needed is None:
+            return frozenset(id(n) for n in self.nodes)
+        return frozenset(id(n) for i, n in enumerate(self.nodes) if self.needed[i] or i in self.captures)
 
     def node_label(self, i: int) -> str:
         n = self.nodes[i]
@@ -174,9 +201,16 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
                 captures.setdefault(j, []).append((nr, pos))
         needed = _exec_info(edges, outputs, accumulate)
 
-    reason = hook_registry.hooks_on(nodes) if hook_registry.active() else None
-    if reason:
-        raise _Fallback(reason)
+    hooks_seen = hook_registry.active()
+    retained: dict[int, list] = {}
+    if hooks_seen:
+        if hook_registry.unattributed():
+            raise _Fallback(
+                "a grad_fn.register_hook/register_prehook hook was registered on a node gradfx "
+                "could not identify (register through a variable, e.g. `fn = t.grad_fn; "
+                "fn.register_hook(h)`, so that gradfx can capture it)")
+        for i, nr, tensor in hook_registry.retained_in(index):
+            retained.setdefault(i, []).append((nr, tensor))
 
     n = len(nodes)
     seq = [node._sequence_nr() for node in nodes]
@@ -191,6 +225,41 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
     input_kinds = ["grad"] * len(grads)
     input_owner = [-1] * len(grads)
     node_input = {}
+    hooks = {}
+
+    def add_input(value, kind, owner):
+        run_inputs.append(value)
+        input_kinds.append(kind)
+        input_owner.append(owner)
+        return len(run_inputs) - 1
+
+    def add_hooks(i, node, var=None):
+        spec = HookSpec()
+        if var is not None:
+            if var._backward_hooks:
+                spec.tensor_pre.append((0, [add_input(h, "hook", i) for h in var._backward_hooks.values()]))
+            if var._post_accumulate_grad_hooks:
+                spec.post_accumulate = [add_input(h, "hook", i)
+                                        for h in var._post_accumulate_grad_hooks.values()]
+        recorded = hook_registry.node_hooks(node) if hooks_seen else None
+        if recorded is not None:
+            for nr, ref in recorded.tensor_pre:
+                d = ref()
+                if d:
+                    spec.tensor_pre.append((nr, [add_input(h, "hook", i) for h in d.values()]))
+            for ref in recorded.pre:
+                d = ref()
+                if d:
+                    spec.pre.extend(add_input(h, "hook", i) for h in d.values())
+            for ref in recorded.post:
+                d = ref()
+                if d:
+                    spec.post.extend(add_input(h, "hook", i) for h in d.values())
+        for nr, tensor in retained.get(i, ()):
+            spec.retain.append((nr, add_input(tensor, "retained", i)))
+        if spec.tensor_pre or spec.retain or spec.pre or spec.post or spec.post_accumulate:
+            hooks[i] = spec
+            key.append(spec.key())
     key = [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate,
            tuple(g.dtype for g in grads), tuple(g.shape for g in grads)]
     for i, node in enumerate(nodes):
@@ -200,16 +269,14 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
         kind = info.kind
         key.append((tnode, edges[i], rank[i], runs))
         if not runs:
+            if i in captures:  # tensor pre-hooks still run before the capture
+                add_hooks(i, node, node.variable if kind is ACCUMULATE else None)
             continue
         if kind is ACCUMULATE:
             var = node.variable
-            if var._backward_hooks or var._post_accumulate_grad_hooks:
-                raise _Fallback(f"tensor hooks on a leaf ({node.name()})")
             key.append((var.dtype, var.shape, var.stride(), var.device, var.requires_grad))
-            node_input[i] = len(run_inputs)
-            run_inputs.append(var)
-            input_kinds.append("variable")
-            input_owner.append(i)
+            node_input[i] = add_input(var, "variable", i)
+            add_hooks(i, node, var)
         elif kind is TRACED:
             for meta in node._input_metadata:
                 key.append((tuple(meta.shape), meta.dtype))
@@ -226,15 +293,11 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
                     key.append(mask)
                     for t in saved.tensors:
                         key.append(tensor_meta(t))
-                        run_inputs.append(t)
-                        input_kinds.append("saved")
-                        input_owner.append(i)
+                        add_input(t, "saved", i)
             # The node itself is an input too: it runs opaquely if it cannot be
             # traced on fake tensors (and a placeholder nobody uses costs nothing).
-            node_input[i] = len(run_inputs)
-            run_inputs.append(node)
-            input_kinds.append("node")
-            input_owner.append(i)
+            node_input[i] = add_input(node, "node", i)
+            add_hooks(i, node)
         else:
             raise _Fallback(f"custom autograd.Function {node.name()} "
                             f"(sequence number {seq[i]})")
@@ -242,7 +305,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
 
     return BackwardCall(nodes, kinds, edges, seq, deps, roots, outputs, accumulate,
                         needed, captures, owned, run_inputs, input_kinds, input_owner,
-                        node_input, tuple(key))
+                        node_input, hooks, tuple(key))
 
 
 def _exec_info(edges, outputs, accumulate):

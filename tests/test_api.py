@@ -271,31 +271,6 @@ def test_lru_bound():
         gradfx.set_cache_size(128)
 
 
-def test_leaf_tensor_hook_falls_back_not_skipped():
-    x = _leaf(3)
-    seen = []
-    x.register_hook(lambda g: seen.append(g.clone()))
-    with pytest.warns(gradfx.FallbackWarning, match="hook"):
-        with gradfx.compiled_autograd() as s:
-            (x * 2).sum().backward()
-    assert len(seen) == 1 and s.stats["fallbacks"] == 1
-
-
-def test_nonleaf_hook_and_retain_grad_fall_back():
-    x = _leaf(3)
-    h = x * 2
-    h.retain_grad()
-    with pytest.warns(gradfx.FallbackWarning):
-        with gradfx.compiled_autograd():
-            h.sum().backward()
-    assert torch.equal(h.grad, torch.ones(3))
-    y = x * 3
-    y.grad_fn.register_prehook(lambda go: None)
-    with pytest.warns(gradfx.FallbackWarning, match="register_hook/register_prehook"):
-        with gradfx.compiled_autograd():
-            y.sum().backward()
-
-
 def test_capture_runs_nothing_and_changes_nothing():
     lin = nn.Linear(4, 3)
     x = torch.randn(2, 4)

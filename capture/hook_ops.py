@@ -1,0 +1,135 @@
+"""Runtime functions for hook calls in captured graphs, with eager's checks.
+
+Each function mirrors what the eager engine's Python hook wrappers do with a
+hook's return value: ``None`` keeps the gradient, a tensor replaces it after
+checks of type, size, dtype and device (same exception types and messages as
+eager).  The hook callables are graph inputs, so new hook objects of the same
+shape of graph reuse the compiled graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+
+def _hook_name(hook) -> str:
+    return getattr(hook, "__name__", type(hook).__name__)
+
+
+def _check_single(original, result, hook):
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"expected Variable, but hook returned '{type(result).__name__}'")
+    if original is None:
+        raise RuntimeError("gradfx: a hook returned a gradient where the gradient was None; "
+                           "this is not supported under gradfx (run it on the eager engine)")
+    name = _hook_name(hook)
+    if result.shape != original.shape:
+        raise RuntimeError(f"hook '{name}' has changed the size of value")
+    if result.dtype != original.dtype:
+        raise RuntimeError(f"hook '{name}' has changed the type of value (was "
+                           f"{original.type()} got {result.type()})")
+    if result.device != original.device:
+        raise RuntimeError(f"hook '{name}' has changed the type of value (was "
+                           f"{original.type()} got {result.type()})")
+    return result
+
+
+def call_tensor_hook(hook, grad):
+    """A tensor hook (``t.register_hook``): returns the gradient to use."""
+    result = hook(grad)
+    if result is None:
+        return grad
+    return _check_single(grad, result, hook)
+
+
+def call_pre_hook(hook, grads: tuple) -> tuple:
+    """A node pre-hook (``grad_fn.register_prehook``): returns the node's inputs."""
+    result = hook(grads)
+    if result is None:
+        return grads
+    return _check_tuple(grads, result, hook)
+
+
+def call_post_hook(hook, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+    """A node post-hook (``grad_fn.register_hook``): returns the node's outputs."""
+    result = hook(grad_inputs, grad_outputs)
+    if result is None:
+        return grad_inputs
+    return _check_tuple(grad_inputs, result, hook)
+
+
+def _check_tuple(original: tuple, result, hook) -> tuple:
+    if not isinstance(result, tuple):
+        raise TypeError(f"expected tuple, but hook returned '{type(result).__name__}'")
+    if len(result) != len(original):
+        raise RuntimeError(f"hook '{_hook_name(hook)}' has returned an incorrect number of values "
+                           f"(got {len(result)}, but expected {len(original)})")
+    out = []
+    for old, new in zip(original, result):
+        if new is None:
+            out.append(None)
+        elif old is None:
+            raise RuntimeError("can't replace a None gradient with a non-None value")
+        else:
+            out.append(_check_single(old, new, hook))
+    return tuple(out)
+
+
+def retain_grad(tensor, grad) -> None:
+    """The retains-grad hook of a non-leaf tensor: first grad cloned, later ones added."""
+    if grad is None:
+        return
+    if tensor.grad is None:
+        tensor.grad = grad.clone() if grad.is_sparse else grad.clone(memory_format=torch.contiguous_format)
+    else:
+        tensor.grad = tensor.grad + grad
+
+
+def call_post_accumulate_hook(hook, variable) -> None:
+    if hook(variable) is not None:
+        raise RuntimeError("Tensor post accumulate grad hooks should return None.")
+
+
+# While a graph with hooks runs, torch._C's graph-task queries (used by
+# register_multi_grad_hook) answer for the backward gradfx is running.
+_task_ids = itertools.count(1 << 40)
+_task = threading.local()
+_real_task_id = torch._C._current_graph_task_id
+_real_will_execute = torch._C._will_engine_execute_node
+
+
+def _current_graph_task_id():
+    state = getattr(_task, "state", None)
+    return state[0] if state is not None else _real_task_id()
+
+
+def _will_engine_execute_node(node):
+    state = getattr(_task, "state", None)
+    if state is None:
+        return _real_will_execute(node)
+    if isinstance(node, torch.autograd.graph.GradientEdge):
+        node = node.node
+    return id(node) in state[1]
+
+
+class graph_task:
+    """Context: hooks running inside it see one backward task with these nodes."""
+
+    def __init__(self, executed_node_ids: frozenset):
+        self.state = (next(_task_ids), executed_node_ids)
+
+    def __enter__(self):
+        self.prev = getattr(_task, "state", None)
+        _task.state = self.state
+        torch._C._current_graph_task_id = _current_graph_task_id
+        torch._C._will_engine_execute_node = _will_engine_execute_node
+        return self
+
+    def __exit__(self, *exc):
+        _task.state = self.prev
+
+
+HOOK_CALLS = {call_tensor_hook, call_pre_hook, call_post_hook, retain_grad, call_post_accumulate_hook}

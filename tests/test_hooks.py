@@ -1,0 +1,291 @@
+"""Hooks are captured into the graph and run as in eager: same calls, order, arguments."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradfx
+from helpers import assert_same, grads_of
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    gradfx.reset()
+    yield
+
+
+def _snap(x):
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, (tuple, list)):
+        return tuple(_snap(v) for v in x)
+    return x
+
+
+def _same_log(a, b):
+    assert len(a) == len(b), (len(a), len(b), [e[0] for e in a], [e[0] for e in b])
+    for ea, eb in zip(a, b):
+        assert ea[0] == eb[0], (ea[0], eb[0])
+        _same_value(ea[1:], eb[1:])
+
+
+def _same_value(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same_value(x, y)
+    else:
+        assert a == b
+
+
+def run_both(build, iterations=3, expect_captures=1):
+    """build(log) -> (params, step); step() runs one forward+backward.
+
+    Runs `iterations` steps eagerly and under gradfx, each with its own fresh
+    model, hooks and log; compares logs and gradients after every step.
+    """
+    torch.manual_seed(0)
+    eager_log, gfx_log = [], []
+    state = torch.random.get_rng_state()
+    eager_params, eager_step = build(eager_log)
+    torch.random.set_rng_state(state)
+    gfx_params, gfx_step = build(gfx_log)
+    for it in range(iterations):
+        torch.manual_seed(it)
+        eager_step()
+        torch.manual_seed(it)
+        with gradfx.compiled_autograd() as session:
+            gfx_step()
+        assert session.stats["fallbacks"] == 0, session.stats
+        _same_log(eager_log, gfx_log)
+        assert_same(grads_of(eager_params), grads_of(gfx_params))
+    stats = gradfx.stats()
+    assert stats["captures"] == expect_captures, stats
+    return eager_log
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _params_visible(log, params, name):
+    # What a hook sees of the parameters' .grad at that moment.
+    def hook(*args):
+        log.append((name, _snap(args), tuple(_snap(p.grad) for p in params)))
+    return hook
+
+
+def test_leaf_tensor_hooks_fresh_objects_each_iteration():
+    def build(log):
+        model = _mlp()
+        params = list(model.parameters())
+
+        def step():
+            handles = []
+            for k, p in enumerate(params):
+                handles.append(p.register_hook(_params_visible(log, params, f"leaf{k}")))
+                if k % 2:
+                    handles.append(p.register_hook(lambda g: g * 0.5))  # replaces the grad
+            model(torch.randn(4, 6)).pow(2).sum().backward()
+            for h in handles:
+                h.remove()
+        return params, step
+    log = run_both(build)
+    assert len(log) == 3 * 6
+
+
+def test_nonleaf_tensor_hooks_and_retain_grad():
+    kept = {}
+
+    def build(log):
+        model = _mlp()
+        params = list(model.parameters())
+
+        def step():
+            h = model[0](torch.randn(4, 6))
+            h.register_hook(_params_visible(log, params, "h"))
+            h.register_hook(lambda g: g * 2)
+            a = model[1](h)
+            a.retain_grad()
+            b = model[2](a)
+            b.register_hook(_params_visible(log, params, "b"))
+            out = model[4](model[3](b)).sum()
+            out.backward()
+            log.append(("a.grad", _snap(a.grad)))
+        return params, step
+    run_both(build)
+
+
+def test_node_pre_and_post_hooks_through_a_variable():
+    def build(log):
+        model = _mlp()
+        params = list(model.parameters())
+
+        def step():
+            h = model[0](torch.randn(4, 6)).relu()
+            fn = h.grad_fn
+            fn.register_prehook(lambda go: log.append(("pre", _snap(go))))
+            fn.register_hook(lambda gi, go: log.append(("post", _snap(gi), _snap(go))))
+            y = (h * 3).sum()
+            fn2 = y.grad_fn
+            fn2.register_prehook(lambda go: (go[0] * 2,))
+            y.backward()
+        return params, step
+    run_both(build)
+
+
+def test_hooks_on_an_accumulator_node():
+    # The Megatron/DDP-in-Python pattern: hooks on the parameters' AccumulateGrad.
+    def build(log):
+        model = _mlp()
+        params = list(model.parameters())
+        accs = []
+        for k, p in enumerate(params):
+            acc = p.view_as(p).grad_fn.next_functions[0][0]
+            acc.register_hook(lambda gi, go, k=k: log.append((f"acc{k}", _snap(go), _snap(params[k].grad))))
+            accs.append(acc)
+
+        def step():
+            model(torch.randn(4, 6)).sum().backward()
+        return params, step
+    run_both(build)
+
+
+def test_post_accumulate_grad_hooks_optimizer_in_backward():
+    def build(log):
+        model = _mlp()
+        params = list(model.parameters())
+
+        def sgd(p):
+            log.append(("post_acc", _snap(p.grad), tuple(_snap(q.grad) for q in params)))
+            with torch.no_grad():
+                p.add_(p.grad, alpha=-0.1)
+            p.grad = None
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(sgd)
+
+        def step():
+            model(torch.randn(4, 6)).pow(2).mean().backward()
+        return params, step
+    run_both(build)
+
+
+def test_multi_grad_hooks_all_and_any():
+    def build(log):
+        model = _mlp()
+        params = list(model.parameters())
+
+        def step():
+            h = model[0](torch.randn(4, 6))
+            a = model[2](model[1](h))
+            handles = [
+                torch.autograd.graph.register_multi_grad_hook(
+                    (h, a, params[0]), lambda grads: log.append(("all", _snap(grads)))),
+                torch.autograd.graph.register_multi_grad_hook(
+                    (h, a), lambda g: log.append(("any", _snap(g))), mode="any")]
+            model[4](model[3](a)).sum().backward()
+            for handle in handles:
+                handle.remove()
+        return params, step
+    run_both(build)
+
+
+def test_transformer_layer_with_hooks_everywhere():
+    def build(log):
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        params = list(layer.parameters())
+        for k, p in enumerate(params):
+            p.register_hook(lambda g, k=k: log.append((f"p{k}", _snap(g))))
+
+        def step():
+            x = torch.randn(2, 5, 16)
+            y = layer(x)
+            y.register_hook(lambda g: g * 1.5)
+            y.sum().backward()
+        return params, step
+    run_both(build)
+
+
+def test_removed_hook_does_not_run_and_changes_key():
+    x = torch.randn(3, requires_grad=True)
+    calls = []
+    with gradfx.compiled_autograd() as s:
+        h = x.register_hook(lambda g: calls.append(1))
+        (x * 2).sum().backward()
+        h.remove()
+        (x * 2).sum().backward()
+        h = x.register_hook(lambda g: calls.append(2))
+        (x * 2).sum().backward()
+    assert calls == [1, 2]
+    assert s.stats["captures"] == 2 and s.stats["cache_hits"] == 1
+
+
+def test_hook_exception_propagates_and_mutation_is_seen():
+    class Boom(Exception):
+        pass
+    x = torch.randn(3, requires_grad=True)
+    h = x * 2
+
+    def bad(g):
+        raise Boom("from the hook")
+    h.register_hook(bad)
+    with gradfx.compiled_autograd():
+        with pytest.raises(Boom, match="from the hook"):
+            h.sum().backward()
+    seen = []
+    y = torch.randn(3, requires_grad=True)
+    y.register_hook(lambda g: seen.append(len(seen)))
+    with gradfx.compiled_autograd():
+        for _ in range(3):
+            (y * 3).sum().backward()
+    assert seen == [0, 1, 2]
+
+
+@pytest.mark.parametrize("bad, error", [
+    (lambda g: g[:2], RuntimeError),
+    (lambda g: 5, TypeError),
+    (lambda g: g.double(), RuntimeError),
+])
+def test_wrong_hook_result_raises_like_eager(bad, error):
+    def run(use_gfx):
+        x = torch.randn(3, requires_grad=True)
+        h = x * 2
+        h.register_hook(bad)
+        with (gradfx.compiled_autograd() if use_gfx else warnings.catch_warnings()):
+            with pytest.raises(error) as err:
+                h.sum().backward()
+        return str(err.value)
+    assert run(True) == run(False)
+
+
+def test_steal_semantics_when_a_hook_keeps_the_gradient():
+    def run(use_gfx):
+        x = torch.randn(3, requires_grad=True)
+        kept = []
+        x.register_hook(lambda g: kept.append(g))
+        with (gradfx.compiled_autograd() if use_gfx else warnings.catch_warnings()):
+            (x * 2).sum().backward()
+        return x.grad.data_ptr() == kept[0].data_ptr()
+    assert run(True) == run(False)
+
+
+def test_unattributable_node_hook_falls_back_and_strict_raises():
+    x = torch.randn(3, requires_grad=True)
+    y = x * 3
+    y.grad_fn.register_prehook(lambda go: None)  # receiver is an expression
+    with pytest.warns(gradfx.FallbackWarning, match="could not identify"):
+        with gradfx.compiled_autograd():
+            y.sum().backward()
+    z = x * 3
+    z.grad_fn.register_hook(lambda gi, go: None)
+    with gradfx.compiled_autograd(strict=True):
+        with pytest.raises(gradfx.Unsupported):
+            z.sum().backward()
