@@ -21,12 +21,13 @@ else:
     from .capture import CapturedGraph, FallbackWarning, Unsupported
     from .capture.api import capture, compiled_autograd
     from .capture.cache import set_cache_size
+    from .capture.custom_function import traceable
     from .capture.session import reset, stats
     from .reorder import list_passes
 
     __all__ = [
         "CapturedGraph", "FallbackWarning", "Unsupported", "capture", "compiled_autograd",
-        "list_backends", "list_passes", "register_backend", "reset", "set_cache_size", "stats",
+        "list_backends", "list_passes", "register_backend", "reset", "set_cache_size", "stats", "traceable",
     ]
     __version__ = "0.1.0"
 

@@ -1,9 +1,10 @@
 """Capture: walk the live autograd graph and trace one backward into a torch.fx graph."""
 
-from . import hook_registry
+from . import custom_function, hook_registry
 from .captured_graph import CapturedGraph
 from .errors import FallbackWarning, Unsupported
 
 hook_registry.install()
+custom_function.install()
 
 __all__ = ["CapturedGraph", "FallbackWarning", "Unsupported"]

@@ -9,6 +9,7 @@ shape of graph reuse the compiled graph.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 
@@ -93,12 +94,19 @@ def call_post_accumulate_hook(hook, variable) -> None:
         raise RuntimeError("Tensor post accumulate grad hooks should return None.")
 
 
-# While a graph with hooks runs, torch._C's graph-task queries (used by
-# register_multi_grad_hook) answer for the backward gradfx is running.
+# While a graph runs Python code, torch._C's graph-task queries (used by
+# register_multi_grad_hook, checkpointing, compiled regions, FSDP) answer for the
+# backward gradfx is running.
 _task_ids = itertools.count(1 << 40)
 _task = threading.local()
 _real_task_id = torch._C._current_graph_task_id
 _real_will_execute = torch._C._will_engine_execute_node
+_real_keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
+
+
+def _get_current_graph_task_keep_graph():
+    state = getattr(_task, "state", None)
+    return state[2] if state is not None else _real_keep_graph()
 
 
 def _current_graph_task_id():
@@ -112,20 +120,23 @@ def _will_engine_execute_node(node):
         return _real_will_execute(node)
     if isinstance(node, torch.autograd.graph.GradientEdge):
         node = node.node
-    return id(node) in state[1]
+    return id(node) in state[1]()
 
 
 class graph_task:
-    """Context: hooks running inside it see one backward task with these nodes."""
+    """Context: Python code running inside it (hooks, custom backwards, checkpoint's
+    recomputation) sees one backward task, executing the nodes ``executed_ids()``
+    names (computed on first use)."""
 
-    def __init__(self, executed_node_ids: frozenset):
-        self.state = (next(_task_ids), executed_node_ids)
+    def __init__(self, executed_ids, keep_graph: bool):
+        self.state = (next(_task_ids), functools.cache(executed_ids), keep_graph)
 
     def __enter__(self):
         self.prev = getattr(_task, "state", None)
         _task.state = self.state
         torch._C._current_graph_task_id = _current_graph_task_id
         torch._C._will_engine_execute_node = _will_engine_execute_node
+        torch._C._autograd._get_current_graph_task_keep_graph = _get_current_graph_task_keep_graph
         return self
 
     def __exit__(self, *exc):

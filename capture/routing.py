@@ -10,6 +10,8 @@ under a dispatch mode) go straight to the engine, uncounted.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.autograd.variable import Variable
 
@@ -28,10 +30,51 @@ class RoutingEngine:
         return session.run_backward(self.engine, tensors, *args, **kwargs)
 
     def queue_callback(self, callback):
+        # While gradfx runs a backward there is no C++ graph task to hold final
+        # callbacks; gradfx keeps them and runs them when the backward ends.
+        pending = final_callbacks()
+        if pending is not None:
+            pending.append(callback)
+            return None
         return self.engine.queue_callback(callback)
 
     def is_checkpoint_valid(self):
         return self.engine.is_checkpoint_valid()
+
+
+_running = threading.local()
+
+
+def final_callbacks() -> list | None:
+    """The final-callback list of the gradfx backward running on this thread, if any."""
+    stack = getattr(_running, "stack", None)
+    return stack[-1] if stack else None
+
+
+class running_backward:
+    """Context around one gradfx backward run: collects and then runs final callbacks.
+
+    As in the eager engine, callbacks run in order after every node, and a
+    callback may queue more.
+    """
+
+    def __enter__(self):
+        stack = getattr(_running, "stack", None)
+        if stack is None:
+            stack = _running.stack = []
+        self.callbacks = []
+        stack.append(self.callbacks)
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        try:
+            if exc_type is None:
+                i = 0
+                while i < len(self.callbacks):
+                    self.callbacks[i]()
+                    i += 1
+        finally:
+            _running.stack.pop()
 
 
 def _torch_internal(tensors) -> bool:

@@ -50,7 +50,7 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool)
     otherwise it is copied into the parameter's layout.  Later gradients are
     added in place, keeping ``.grad``'s identity.
     """
-    if not variable.requires_grad:
+    if grad is None or not variable.requires_grad:
         return
     old = variable.grad
     if old is None:
@@ -65,10 +65,71 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool)
         old += grad
 
 
-def call_node(node, *grads):
-    """Run a real autograd node (an opaque node) and return its outputs as a tuple."""
+def call_node(node, metas, must_be_defined, *grads):
+    """Run a real builtin autograd node (an opaque node); validate as the engine does."""
     out = node(*grads)
-    return out if type(out) is tuple else (out,)
+    return finish_outputs(node.name(), out if type(out) is tuple else (out,), metas, must_be_defined)
+
+
+def call_backward(ctx, metas, must_be_defined, *grads):
+    """Run a custom Function's backward with its real ctx, as the engine's PyNode does.
+
+    Undefined incoming gradients are materialized as zeros unless the Function
+    called ``ctx.set_materialize_grads(False)``; the result is checked and mapped
+    onto the node's edges (one per tensor input of the forward).
+    """
+    if ctx.__dict__.get("_gradfx_materialize_grads", True) and any(g is None for g in grads):
+        metadata = ctx._input_metadata
+        grads = tuple(torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
+                      for g, m in zip(grads, metadata))
+    result = ctx.apply(*grads)
+    if type(result) is not tuple:
+        result = (result,)
+    needs = ctx.needs_input_grad
+    n_inputs = len(needs)
+    if len(result) > n_inputs and all(r is None for r in result[n_inputs:]):
+        result = result[:n_inputs]
+    if len(result) != n_inputs:
+        raise RuntimeError(f"function {ctx.name()} returned an incorrect number of gradients "
+                           f"(expected {n_inputs}, got {len(result)})")
+    # Edges exist for tensor inputs only; the valid ones (inputs that require
+    # grad) appear in the same order as the True entries of needs_input_grad.
+    wanted = [r for r, need in zip(result, needs) if need]
+    outs, k = [], 0
+    for meta in metas:
+        if meta is None:
+            outs.append(None)
+        else:
+            outs.append(wanted[k])
+            k += 1
+    return finish_outputs(ctx.name(), outs, metas, must_be_defined)
+
+
+def finish_outputs(name, outs, metas, must_be_defined):
+    if len(outs) != len(metas):
+        raise RuntimeError(f"Function {name} returned an invalid number of gradients - "
+                           f"expected {len(metas)}, but got {len(outs)}")
+    result = []
+    for k, (g, meta) in enumerate(zip(outs, metas)):
+        if meta is None or g is None:
+            if g is None and meta is not None and must_be_defined[k]:
+                raise RuntimeError(
+                    f"gradfx: {name} returned None for gradient {k}, which the captured graph "
+                    "feeds to a traced formula; this backward cannot run under gradfx (it ran "
+                    "as far as this node). Run it on the eager engine.")
+            result.append(None)
+        else:
+            result.append(validate_output(g, meta[0], meta[1], name, k))
+    return tuple(result)
+
+
+def add_grads(old, new):
+    """InputBuffer::add for gradients that may be None at run time."""
+    if old is None:
+        return new
+    if new is None:
+        return old
+    return old + new
 
 
 def validate_output(grad, shape, dtype, node_name: str, index: int):
@@ -98,7 +159,7 @@ def _expandable(shape, desired) -> bool:
 
 def _side_effects():
     from .hook_ops import HOOK_CALLS
-    return frozenset({accumulate_grad, call_node} | HOOK_CALLS)
+    return frozenset({accumulate_grad, call_node, call_backward} | HOOK_CALLS)
 
 
 SIDE_EFFECTS = _side_effects()

@@ -56,14 +56,16 @@ def current() -> "Session | None":
 class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
-    __slots__ = ("fn", "boxed", "captured", "release_after", "has_hooks")
+    __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python")
 
-    def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, has_hooks: bool):
+    def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool):
         self.fn = fn
         self.boxed = getattr(fn, "_boxed", None)
         self.captured = captured
         self.release_after = release_after  # nodes run opaquely keep their tensors until the end
-        self.has_hooks = has_hooks  # hooks may ask torch about the running graph task
+        # Hooks and opaque calls run user code that may ask torch about the
+        # running graph task (multi-grad hooks, checkpoint's recomputation cache).
+        self.runs_python = runs_python
 
 
 class Session:
@@ -158,7 +160,7 @@ class Session:
         captured, compiled = self.compile_graph(trace, call)
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
         self.graphs.append(captured)
-        return CompiledBackward(compiled, captured, release_after, bool(call.hooks))
+        return CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after))
 
     def compile_graph(self, trace, call: BackwardCall, compile: bool = True):
         start = time.perf_counter()
@@ -205,8 +207,8 @@ def _run(entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
         for i, saved in enumerate(owned):
             if saved is not None and i not in late:
                 saved.release()
-    task = hook_ops.graph_task(call.executed_ids()) if entry.has_hooks else contextlib.nullcontext()
-    with torch.no_grad(), task:
+    task = hook_ops.graph_task(call.executed_ids, keep_graph) if entry.runs_python else contextlib.nullcontext()
+    with torch.no_grad(), task, routing.running_backward():
         if entry.boxed is not None:
             out = entry.boxed(inputs)
         else:

@@ -14,12 +14,14 @@ the graph is bitwise eager.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.function import BackwardCFunction
 from torch.fx.experimental.proxy_tensor import (
     PythonKeyTracer,
     ProxyTorchDispatchMode,
@@ -32,7 +34,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from . import hook_ops, runtime_ops
 from .ready_queue import ReadyQueue
 from .saved_tensors import substitute
-from .walk import ACCUMULATE, OPAQUE, TRACED, BackwardCall
+from .walk import ACCUMULATE, FUNCTION, OPAQUE, TRACED, BackwardCall
 
 log = logging.getLogger("gradfx")
 
@@ -67,6 +69,8 @@ class _Tracer:
         self.opaque: list = []
         self.labels: dict = {}
         self.object_proxies: dict = {}
+        self.maybe_none: set[int] = set()  # ids of fakes that may be None at run time
+        self.keep: list = []  # keeps those fakes alive so their ids stay unique
 
     # -- inputs --------------------------------------------------------------
     def placeholders(self):
@@ -99,21 +103,6 @@ class _Tracer:
         proxy = self.tracer.create_proxy("call_function", fn, args, {})
         proxy.node.meta["gradfx_node"] = label
         return proxy
-
-    def fake_outputs(self, proxy, metas):
-        outs = []
-        with disable_proxy_modes_tracing():
-            for k, meta in enumerate(metas):
-                if meta is None:
-                    outs.append(None)
-                    continue
-                shape, dtype, device = meta
-                fake = torch.empty(shape, dtype=dtype, device=device)
-                outs.append(fake)
-        for k, fake in enumerate(outs):
-            if fake is not None:
-                track_tensor_tree(fake, proxy[k], constant=None, tracer=self.tracer)
-        return outs
 
     def python_call(self, fn, args, like, label, kind):
         """Record ``fn(*args)`` with Python semantics; its result looks like ``like``.
@@ -195,20 +184,63 @@ class _Tracer:
             return None
         return out if type(out) is tuple else (out,)
 
+    def run_function(self, i, ctx, grads):
+        """Trace a traceable custom Function's backward; None if it cannot run on fakes."""
+        graph = self.tracer.graph
+        before = list(graph.nodes)[-1]
+        try:
+            if ctx.__dict__.get("_gradfx_materialize_grads", True):
+                grads = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
+                         for g, m in zip(grads, ctx._input_metadata)]
+            result = ctx.apply(*grads)
+            result = result if type(result) is tuple else (result,)
+            needs = ctx.needs_input_grad
+            if len(result) > len(needs) and all(r is None for r in result[len(needs):]):
+                result = result[:len(needs)]
+            if len(result) != len(needs):
+                raise RuntimeError(f"function {ctx.name()} returned an incorrect number of gradients "
+                                   f"(expected {len(needs)}, got {len(result)})")
+            wanted = iter([r for r, need in zip(result, needs) if need])
+            return [None if e is None else next(wanted) for e in self.call.edges[i]]
+        except Exception as err:
+            for n in reversed(list(graph.nodes)):
+                if n is before:
+                    break
+                graph.erase_node(n)
+            log.debug("gradfx: %s runs opaque (%s: %s)", self.call.node_label(i), type(err).__name__, err)
+            return None
+
     def run_opaque(self, i, node, grads, node_input):
+        """Record a call of the real node (builtin) or of the user's backward (Function)."""
         label = self.call.node_label(i)
         self.opaque.append(label)
-        args = (self.object_proxies[node_input],) + tuple(
-            None if g is None else self.proxy(g) for g in grads)
-        proxy = self.record(runtime_ops.call_node, args, label)
-        metas = []
+        metas, like = [], []
         for e in self.call.edges[i]:
             if e is None:
                 metas.append(None)
+                like.append(None)
             else:
                 m = self.call.nodes[e[0]]._input_metadata[e[1]]
-                metas.append((m.shape, m.dtype, m.device))
-        return tuple(self.fake_outputs(proxy, metas))
+                metas.append((tuple(m.shape), m.dtype))
+                with disable_proxy_modes_tracing():
+                    like.append(torch.empty(tuple(m.shape), dtype=m.dtype, device=m.device))
+        fn = runtime_ops.call_backward if isinstance(node, BackwardCFunction) else runtime_ops.call_node
+        outs = self.python_call(fn, (_Input(node_input), tuple(metas), (False,) * len(metas)) + tuple(grads),
+                                tuple(like), label, "opaque")
+        for o in outs:
+            if o is not None:
+                self.maybe_none.add(id(o))
+                self.keep.append(o)
+        return outs
+
+    def add(self, old, new, label):
+        """InputBuffer::add; gradients from opaque calls may turn out None at run time."""
+        if id(old) in self.maybe_none or id(new) in self.maybe_none:
+            out = self.python_call(runtime_ops.add_grads, (old, new), old, label, "compute")
+            self.maybe_none.add(id(out))
+            self.keep.append(out)
+            return out
+        return old + new
 
     def accumulate(self, i, grad, var_input):
         label = self.call.node_label(i)
@@ -254,7 +286,7 @@ def _run_engine(t: _Tracer, grads):
             buf = buffers[child] = [None] * len(nodes[child]._input_metadata)
         if grad is not None:
             old = buf[nr]
-            buf[nr] = grad if old is None else old + grad
+            buf[nr] = grad if old is None else t.add(old, grad, call.node_label(child))
         if deps[child] == 0:
             queue.push(seq[child], child)
 
@@ -295,8 +327,10 @@ def _run_engine(t: _Tracer, grads):
         outputs = None
         if kind is TRACED:
             outputs = t.run_traced(i, node, inputs)
-            if outputs is None:
-                kinds[i] = OPAQUE
+        elif kind is FUNCTION:
+            outputs = t.run_function(i, node, inputs)
+        if outputs is None and kind is not OPAQUE:
+            kinds[i] = OPAQUE
         if outputs is None:
             outputs = t.run_opaque(i, node, inputs, call.node_input[i])
         else:
@@ -335,7 +369,24 @@ def trace_backward(call: BackwardCall, dynamic: bool = False) -> Trace:
         out.append(None if g is None else t.proxy(g).node)
     t.tracer.graph.output(tuple(out))
     _mark_steals(t.tracer.graph)
+    _mark_required_outputs(t.tracer.graph)
     return Trace(t.tracer.graph, t.opaque, t.labels, time.perf_counter() - start)
+
+
+def _mark_required_outputs(graph: fx.Graph) -> None:
+    """Tell each opaque call which of its outputs a traced formula consumes.
+
+    Those must not come back None at run time (the traced ops need a tensor); the
+    other consumers (accumulation, hooks, buffer adds, captures) handle None.
+    """
+    for fn in (runtime_ops.call_node, runtime_ops.call_backward):
+        for node in graph.find_nodes(op="call_function", target=fn):
+            flags = list(node.args[2])
+            for user in node.users:
+                if user.target is operator.getitem:
+                    k = user.args[1]
+                    flags[k] = any(isinstance(u.target, torch._ops.OpOverload) for u in user.users)
+            node.update_arg(2, tuple(flags))
 
 
 def _mark_steals(graph: fx.Graph) -> None:

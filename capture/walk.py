@@ -25,7 +25,7 @@ from . import hook_registry
 from .errors import _Fallback
 from .saved_tensors import ForeignHooks, take_saved
 
-TRACED, ACCUMULATE, OPAQUE = "traced", "accumulate", "opaque"
+TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,33 @@ def type_info(node_type: type) -> TypeInfo:
         if node_type.__name__ == "AccumulateGrad":
             kind = ACCUMULATE
         elif issubclass(node_type, BackwardCFunction):
-            kind = "python_function"
+            # A custom autograd.Function: its saved tensors are ctx.saved_tensors.
+            kind, raw, tensors, values = FUNCTION, ("_raw_saved_tensors",), ("saved_tensors",), ()
         else:
             kind = TRACED
         info = _type_info[node_type] = TypeInfo(kind, raw, tensors, values)
     return info
+
+
+def is_traceable(function_node_type: type) -> bool:
+    """Is this custom Function's backward traced into the graph (see gradfx.traceable)?"""
+    return bool(getattr(function_node_type._forward_cls, "_gradfx_traceable", False))
+
+
+def function_materializes(ctx) -> bool:
+    # ctx.materialize_grads cannot be read back from Python; set_materialize_grads
+    # is wrapped (custom_function.install) to leave a readable copy.
+    return ctx.__dict__.get("_gradfx_materialize_grads", True)
+
+
+def _ctx_key(ctx) -> tuple:
+    items = []
+    for name, value in sorted(ctx.__dict__.items()):
+        if isinstance(value, torch.Tensor):
+            items.append((name, "tensor") + tensor_meta(value))
+        else:
+            items.append((name, _value_key(value)))
+    return tuple(items)
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
@@ -298,9 +320,27 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
             # traced on fake tensors (and a placeholder nobody uses costs nothing).
             node_input[i] = add_input(node, "node", i)
             add_hooks(i, node)
-        else:
-            raise _Fallback(f"custom autograd.Function {node.name()} "
-                            f"(sequence number {seq[i]})")
+        else:  # FUNCTION
+            traceable = is_traceable(tnode)
+            key.append((node.needs_input_grad, function_materializes(node), traceable))
+            for meta in node._input_metadata:
+                key.append((tuple(meta.shape), meta.dtype))
+            if traceable:  # ctx attributes are baked into the traced formula
+                key.append(_ctx_key(node))
+            try:
+                saved, mask = take_saved(node, info.raw_saved, info.saved_tensors)
+            except ForeignHooks:
+                traceable = False
+                key.append(OPAQUE)
+            else:
+                owned[i] = saved
+                key.append(mask)
+                for t in saved.tensors:
+                    key.append(tensor_meta(t))
+                    add_input(t, "saved", i)
+            kind = FUNCTION if traceable else OPAQUE
+            node_input[i] = add_input(node, "node", i)
+            add_hooks(i, node)
         kinds[i] = kind
 
     return BackwardCall(nodes, kinds, edges, seq, deps, roots, outputs, accumulate,

@@ -1,0 +1,42 @@
+"""Custom ``torch.autograd.Function`` support: the traceable marker and ctx facts.
+
+By default a custom Function's backward runs as an opaque ``call_backward`` node
+that calls the user's ``backward`` with the real ctx at run time.  A Function
+whose backward is plain tensor code can be marked traceable::
+
+    @gradfx.traceable
+    class ScaledGelu(torch.autograd.Function):
+        ...
+
+and its backward is then traced into aten ops in the graph (ctx's saved tensors
+become graph inputs, its other attributes are part of the cache key), so a
+backend can fuse it.  A traced backward that fails on fake tensors runs opaquely.
+"""
+
+from __future__ import annotations
+
+from torch.autograd.function import FunctionCtx
+
+
+def traceable(function_class):
+    """Mark a custom autograd.Function so that gradfx traces its backward."""
+    function_class._gradfx_traceable = True
+    return function_class
+
+
+_orig_set_materialize_grads = FunctionCtx.set_materialize_grads
+
+
+def _set_materialize_grads(self, value: bool):
+    self.__dict__["_gradfx_materialize_grads"] = bool(value)
+    return _orig_set_materialize_grads(self, value)
+
+
+def install() -> None:
+    """Keep a readable copy of ctx.materialize_grads (the C++ field is write-only)."""
+    if FunctionCtx.set_materialize_grads is not _set_materialize_grads:
+        _set_materialize_grads.__doc__ = _orig_set_materialize_grads.__doc__
+        FunctionCtx.set_materialize_grads = _set_materialize_grads
+    # torch's own identity Function behind module backward hooks is traceable.
+    from torch.nn.modules._functions import BackwardHookFunction
+    traceable(BackwardHookFunction)

@@ -1,0 +1,302 @@
+"""Custom autograd.Functions, module hooks, checkpointing, saved-tensor hooks, compiled regions."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import gradfx
+from helpers import assert_same, compare_training, grads_of, run_both, snap
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    gradfx.reset()
+    yield
+
+
+class ScaleMul(torch.autograd.Function):
+    """save_for_backward, a non-tensor ctx attribute, None for a non-tensor input."""
+
+    @staticmethod
+    def forward(ctx, x, w, k):
+        ctx.save_for_backward(x, w)
+        ctx.k = k
+        return x * w * k
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = g * w * ctx.k if ctx.needs_input_grad[0] else None
+        gw = (g * x * ctx.k).sum(0) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+class TwoOutputs(torch.autograd.Function):
+    """Several outputs, one non-differentiable, grads not materialized."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        idx = x.argmax(-1)
+        ctx.mark_non_differentiable(idx)
+        ctx.save_for_backward(x)
+        return x.exp(), x.sin(), idx
+
+    @staticmethod
+    def backward(ctx, g_exp, g_sin, g_idx):
+        x, = ctx.saved_tensors
+        out = None
+        if g_exp is not None:
+            out = g_exp * x.exp()
+        if g_sin is not None:
+            out = g_sin * x.cos() if out is None else out + g_sin * x.cos()
+        return out
+
+
+class InPlaceDouble(torch.autograd.Function):
+    """mark_dirty: modifies its input in place."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class SetupContextSquare(torch.autograd.Function):
+    """setup_context style and once_differentiable."""
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        return 2 * x * g
+
+
+class Nested(torch.autograd.Function):
+    """A backward that itself calls other Functions."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.tanh()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        w = torch.ones_like(x)
+        return ScaleMul.apply(g, 1 - x.tanh() ** 2, 1.0) * w
+
+
+class StraightThrough(torch.autograd.Function):
+    """A straight-through estimator: round forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class FunctionModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.w = nn.Parameter(torch.randn(6))
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = ScaleMul.apply(self.a(x), self.w, 0.5)
+        e, s, idx = TwoOutputs.apply(h)
+        h = SetupContextSquare.apply(e[:, :3].contiguous() + s[:, 3:].contiguous() + idx[:, None])
+        h = Nested.apply(torch.cat([h, StraightThrough.apply(h * 4) / 4], 1))
+        h = InPlaceDouble.apply(h.clone())
+        return self.b(h)
+
+
+def test_custom_functions_opaque():
+    s = compare_training(FunctionModel, lambda: (torch.randn(5, 6),),
+                         allow_opaque=("ScaleMul", "TwoOutputs", "SetupContextSquare", "Nested",
+                                       "StraightThrough", "InPlaceDouble"), check_opaque=False)
+    graph = s.graphs[0] if s.graphs else None
+    assert gradfx.stats()["captures"] == 1
+
+
+def test_custom_functions_traced():
+    for cls in (ScaleMul, TwoOutputs, SetupContextSquare, StraightThrough, InPlaceDouble):
+        gradfx.traceable(cls)
+    try:
+        compare_training(FunctionModel, lambda: (torch.randn(5, 6),), check_opaque=False)
+        graph = gradfx.capture(FunctionModel()(torch.randn(5, 6)).sum())
+        assert not any(label.startswith(("ScaleMul", "TwoOutputs", "StraightThrough"))
+                       for label in graph.opaque_nodes), graph.opaque_nodes
+    finally:
+        for cls in (ScaleMul, TwoOutputs, SetupContextSquare, StraightThrough, InPlaceDouble):
+            cls._gradfx_traceable = False
+
+
+def test_fresh_ctx_objects_hit_the_cache():
+    w = torch.randn(4, requires_grad=True)
+    with gradfx.compiled_autograd() as s:
+        for _ in range(3):
+            ScaleMul.apply(torch.randn(2, 4), w, 3.0).sum().backward()
+    assert s.stats["captures"] == 1 and s.stats["cache_hits"] == 2
+
+
+def test_custom_backward_returning_none_for_needed_input():
+    class DropsGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            return x + y
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None
+
+    def run(use_gfx):
+        torch.manual_seed(0)
+        x = torch.randn(3, requires_grad=True)
+        y = torch.randn(3, requires_grad=True)
+        ctx = gradfx.compiled_autograd() if use_gfx else warnings.catch_warnings()
+        with ctx:
+            DropsGrad.apply(x * 2, y).sum().backward()
+        return [x.grad, y.grad]
+    assert_same(run(False), run(True))
+
+
+def test_module_full_backward_hooks():
+    def build(log):
+        model = nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 2))
+        params = list(model.parameters())
+        model[0].register_full_backward_hook(lambda m, gi, go: log.append(("bw0", snap(gi), snap(go))))
+        model[2].register_full_backward_pre_hook(lambda m, go: log.append(("pre2", snap(go))))
+        model[2].register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+
+        def step():
+            model(torch.randn(3, 5, requires_grad=True)).sum().backward()
+        return params, step
+    run_both(build)
+
+
+def test_checkpoint_non_reentrant_and_reentrant():
+    calls = {"n": 0}
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            calls["n"] += 1
+            return torch.tanh(self.lin(x))
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b1, self.b2, self.out = Block(), Block(), nn.Linear(8, 1)
+
+        def forward(self, x):
+            x = checkpoint(self.b1, x, use_reentrant=False)
+            x = checkpoint(self.b2, x, use_reentrant=True)
+            return self.out(x)
+
+    def build(log):
+        model = M()
+        params = list(model.parameters())
+
+        def step():
+            calls["n"] = 0
+            model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+            log.append(("forward calls incl. recomputation", calls["n"]))
+        return params, step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        run_both(build, expect_captures=2)  # the outer backward and the reentrant inner one
+
+
+def test_saved_tensors_hooks_and_save_on_cpu():
+    def build(log):
+        model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
+        params = list(model.parameters())
+
+        def pack(t):
+            log.append(("pack", tuple(t.shape)))
+            return t
+
+        def unpack(t):
+            log.append(("unpack", tuple(t.shape)))
+            return t
+
+        def step():
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                y = model(torch.randn(3, 4))
+            with torch.autograd.graph.save_on_cpu():
+                y = y + model(torch.randn(3, 4))
+            y.sum().backward()
+        return params, step
+    run_both(build)
+
+
+def test_queue_callback_runs_after_all_nodes():
+    def build(log):
+        lin = nn.Linear(3, 3)
+        params = list(lin.parameters())
+
+        def hook(g):
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: log.append(("callback", snap(lin.weight.grad), snap(lin.bias.grad))))
+            return g
+
+        def step():
+            out = lin(torch.randn(2, 3))
+            out.register_hook(hook)
+            out.sum().backward()
+        return params, step
+    run_both(build)
+
+
+def test_create_graph_falls_back_and_strict_raises():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.warns(gradfx.FallbackWarning, match="create_graph"):
+        with gradfx.compiled_autograd():
+            (g,) = torch.autograd.grad((x ** 3).sum(), x, create_graph=True)
+    (h,) = torch.autograd.grad(g.sum(), x)
+    assert torch.equal(h, 6 * x.detach())
+    with gradfx.compiled_autograd(strict=True):
+        with pytest.raises(gradfx.Unsupported, match="create_graph"):
+            torch.autograd.grad((x ** 3).sum(), x, create_graph=True)
+
+
+def test_mixed_model_function_compiled_submodule_checkpoint():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.compiled = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.GELU()), backend="aot_eager")
+            self.c = nn.Linear(8, 8)
+            self.w = nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            h = ScaleMul.apply(self.a(x), self.w, 2.0)
+            h = self.compiled(h)
+            h = checkpoint(self.c, h, use_reentrant=False)
+            return h.relu().sum(1)
+
+    compare_training(M, lambda: (torch.randn(4, 8),), lambda out: out.mean(), check_opaque=False)
