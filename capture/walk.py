@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from . import hook_registry
+from . import distributed, hook_registry
 from .errors import _Fallback
 from .saved_tensors import ForeignHooks, take_saved
 
@@ -240,6 +240,12 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
     rank = [0] * n
     for r, j in enumerate(order):
         rank[j] = r
+
+    if distributed.initialized():
+        reason = distributed.cpp_hooks_reason(
+            [node for node in nodes if type(node).__name__ == "AccumulateGrad"])
+        if reason:
+            raise _Fallback(reason)
 
     kinds = [None] * n
     owned = [None] * n

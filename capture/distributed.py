@@ -1,0 +1,63 @@
+"""Detects C++ hooks on leaf accumulators (DistributedDataParallel's reducer).
+
+DDP registers its gradient all-reduce as C++ post-hooks on the parameters'
+AccumulateGrad nodes: Python registered nothing and can read nothing back.  A run
+that skipped them would leave every rank with its local gradient, silently.
+When torch.distributed is initialized, gradfx asks torch's own compiled autograd
+to collect the hooks of those nodes (it refuses C++ hooks it cannot compile, such
+as the reducer's, before anything runs; the compiler function gradfx passes
+refuses too, so nothing is ever executed).  The answer is cached per node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_checked: dict[int, tuple] = {}  # id(node) -> (variable id, has C++ hooks)
+
+
+class _Refused(Exception):
+    pass
+
+
+def _refuse(gm):
+    raise _Refused()
+
+
+def initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def cpp_hooks_reason(accumulators: list) -> str | None:
+    """A reason to fall back if any of these AccumulateGrad nodes has C++ hooks."""
+    unknown = [n for n in accumulators
+               if _checked.get(id(n), (None,))[0] != id(n.variable)]
+    if unknown:
+        found = _probe([n.variable for n in unknown])
+        for n in unknown:
+            _checked[id(n)] = (id(n.variable), found)
+    if any(_checked[id(n)][1] for n in accumulators):
+        return ("C++ hooks on a parameter's gradient accumulator (DistributedDataParallel's "
+                "reducer); use DDP with torch._dynamo.config.optimize_ddp = 'python_reducer' "
+                "to make them visible")
+    return None
+
+
+def _probe(variables) -> bool:
+    from torch._dynamo import compiled_autograd
+    from torch.autograd.variable import Variable
+
+    from .routing import RoutingEngine
+    engine = Variable._execution_engine
+    if isinstance(engine, RoutingEngine):
+        engine = engine.engine
+    roots = tuple(v.view_as(v) for v in variables)
+    grads = tuple(torch.zeros_like(v) for v in variables)
+    try:
+        with compiled_autograd._enable(_refuse):
+            engine.run_backward(roots, grads, False, False, (), True, True)
+    except _Refused:
+        return False
+    except RuntimeError:
+        return True
+    return True

@@ -1,0 +1,83 @@
+"""DDP with gloo, 2 processes: gradients equal eager DDP's on every rank.
+
+DDP's default C++ reducer hooks are detected and the backward falls back (never
+silently skipped); with the Python reducer its hooks are captured.
+"""
+
+import os
+import socket
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, python_reducer, results):
+    import gradfx
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        if python_reducer:
+            torch._dynamo.config.optimize_ddp = "python_reducer"
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        eager_model = DDP(base)
+        torch.manual_seed(0)
+        gfx_model = DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        out = {"equal": True, "fallback_warned": False, "stats": None}
+        for it in range(3):
+            torch.manual_seed(100 * rank + it)
+            x = torch.randn(3, 4)
+            eager_model.zero_grad()
+            eager_model(x).sum().backward()
+            gfx_model.zero_grad()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with gradfx.compiled_autograd() as session:
+                    gfx_model(x).sum().backward()
+            out["fallback_warned"] |= any(issubclass(w.category, gradfx.FallbackWarning) for w in caught)
+            for a, b in zip(eager_model.parameters(), gfx_model.parameters()):
+                out["equal"] &= torch.equal(a.grad, b.grad)
+        out["stats"] = gradfx.stats()
+        out["grad0"] = gfx_model.module[0].weight.grad.flatten()[:3].tolist()
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(python_reducer):
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_worker, args=(2, _free_port(), python_reducer, results), nprocs=2, join=True)
+    return dict(results)
+
+
+def test_ddp_cpp_reducer_is_detected_and_falls_back():
+    results = _run(python_reducer=False)
+    for rank in (0, 1):
+        assert results[rank]["equal"], results
+        assert results[rank]["fallback_warned"], results
+        assert results[rank]["stats"]["fallbacks"] == 3
+    assert results[0]["grad0"] == results[1]["grad0"]  # all-reduced
+
+
+def test_ddp_python_reducer_is_captured():
+    results = _run(python_reducer=True)
+    for rank in (0, 1):
+        assert results[rank]["equal"], results
+        assert results[rank]["stats"]["fallbacks"] == 0, results
+        assert results[rank]["stats"]["captures"] == 1, results
+    assert results[0]["grad0"] == results[1]["grad0"]
