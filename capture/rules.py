@@ -1,0 +1,57 @@
+"""Backward rules: Python formulas for node types whose C++ formula bakes in sizes.
+
+Running a builtin node on fake tensors records its own C++ backward formula.
+Formulas that read saved sizes (``_saved_self_sym_sizes``, ``_saved_mat1_sym_strides``,
+...) read the concrete values saved in the forward, so a graph traced that way is
+only valid for those sizes.  A rule rebuilds the same backward from the node's
+saved values as graph values, so sizes can stay symbolic:
+
+    @rule("SumBackward0")
+    def sum_backward0(saved, grad):
+        return (grad.expand(saved.self_sym_sizes),)
+
+A rule gets ``saved`` (attribute access to the node's saved values without the
+``_saved_`` prefix: tensors, ints, sizes (possibly SymInts), scalars) and the
+node's incoming gradients, and returns the node's outputs (one per next edge,
+None where the node returns no gradient), exactly as calling the node would
+before the engine's ``validate_outputs``.  It must call the same aten ops in the
+same way as the C++ formula, so results are bitwise equal: every rule is checked
+against the real node on random inputs (tests/test_rules.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+RULES: dict[str, Callable] = {}
+
+
+def rule(node_name: str):
+    """Register a backward rule for autograd nodes named ``node_name``."""
+    def add(fn):
+        RULES[node_name] = fn
+        return fn
+    return add
+
+
+class RealSaved:
+    """``saved`` for a live node: reads ``node._saved_<name>``."""
+
+    __slots__ = ("_node",)
+
+    def __init__(self, node):
+        self._node = node
+
+    def __getattr__(self, name):
+        return getattr(self._node, "_saved_" + name)
+
+
+def apply_rule(node, grads, saved=None):
+    """Run ``node``'s rule (or None if it has none)."""
+    fn = RULES.get(type(node).__name__)
+    if fn is None:
+        return None
+    return fn(saved if saved is not None else RealSaved(node), *grads)
+
+
+from . import rules_builtin  # noqa: E402,F401  (registers the rules)
