@@ -9,6 +9,7 @@ import torch
 from .captured_graph import CapturedGraph
 from .errors import Unsupported, _Fallback
 from .session import Session
+from .shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates
 from .tracer import trace_backward
 from .walk import walk_backward
 
@@ -48,8 +49,13 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
     session = Session("eager", dynamic=dynamic)
     try:
         call = walk_backward(outputs, grads, inputs or (), accumulate=inputs is None)
-        trace = trace_backward(call, dynamic=dynamic is True)
+        symbolic = None
+        if dynamic is True:
+            positions = dynamic_candidates(call.sizes) - baked_positions(call)
+            symbolic = SymbolicSizes(call.sizes, positions) if positions else None
+        trace = trace_backward(call, symbolic)
     except _Fallback as fb:
         raise Unsupported(fb.reason) from None
-    captured, _ = session.compile_graph(trace, call, compile=False)
+    guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
+    captured, _ = session.compile_graph(trace, call, compile=False, guards=guard.text)
     return captured

@@ -1,4 +1,9 @@
-"""The process-wide cache of compiled backward graphs (bounded LRU)."""
+"""The process-wide cache of compiled backward graphs (bounded LRU).
+
+Entries are found by the structure of the autograd graph (plus backend, passes
+and dynamic mode), then by sizes: a static entry by the exact size list, a
+dynamic entry by its guard.  The bound counts entries of both kinds.
+"""
 
 from __future__ import annotations
 
@@ -8,29 +13,58 @@ DEFAULT_SIZE = 128
 
 
 class GraphCache:
-    """LRU map from (structure key, backend, passes, dynamic) to compiled entries."""
-
     def __init__(self, max_size: int = DEFAULT_SIZE):
         self.max_size = max_size
-        self._entries: OrderedDict = OrderedDict()
+        self._static: dict = {}  # (structure, sizes tuple) -> entry
+        self._dynamic: dict = {}  # structure -> [entry], newest first
+        self._lru: OrderedDict = OrderedDict()  # id(entry) -> (structure, sizes tuple or None)
+        self.last_sizes: dict = {}  # structure -> sizes of its latest capture
+        self.dynamic_positions: dict = {}  # structure -> positions made dynamic so far
 
-    def get(self, key):
-        entry = self._entries.get(key)
+    def lookup(self, structure, sizes):
+        entry = self._static.get((structure, tuple(sizes)))
+        if entry is None:
+            for candidate in self._dynamic.get(structure, ()):
+                if candidate.guard(sizes):
+                    entry = candidate
+                    break
         if entry is not None:
-            self._entries.move_to_end(key)
+            self._lru.move_to_end(id(entry))
         return entry
 
-    def put(self, key, entry) -> None:
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_size:
-            self._entries.popitem(last=False)
+    def known(self, structure) -> bool:
+        return structure in self.last_sizes
+
+    def put(self, structure, sizes, entry, dynamic: bool) -> None:
+        if dynamic:
+            self._dynamic.setdefault(structure, []).insert(0, entry)
+            self._lru[id(entry)] = (structure, None, entry)
+        else:
+            key = tuple(sizes)
+            self._static[(structure, key)] = entry
+            self._lru[id(entry)] = (structure, key, entry)
+        self.last_sizes[structure] = list(sizes)
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._lru) > self.max_size:
+            _, (structure, key, entry) = self._lru.popitem(last=False)
+            if key is None:
+                self._dynamic[structure].remove(entry)
+                if not self._dynamic[structure]:
+                    del self._dynamic[structure]
+            else:
+                del self._static[(structure, key)]
 
     def clear(self) -> None:
-        self._entries.clear()
+        self._static.clear()
+        self._dynamic.clear()
+        self._lru.clear()
+        self.last_sizes.clear()
+        self.dynamic_positions.clear()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
 
 cache = GraphCache()
@@ -41,5 +75,4 @@ def set_cache_size(max_size: int) -> None:
     if max_size < 1:
         raise ValueError(f"cache size must be at least 1, got {max_size}")
     cache.max_size = max_size
-    while len(cache) > max_size:
-        cache._entries.popitem(last=False)
+    cache._evict()

@@ -1,4 +1,10 @@
-"""Backward rules for builtin autograd nodes (see gradfx.capture.rules)."""
+"""Backward rules for builtin autograd nodes (see gradfx.capture.rules).
+
+Formulas are from tools/autograd/derivatives.yaml and
+torch/csrc/autograd/FunctionsManual.cpp.  Branches on sizes/strides are marked
+``# size branch``: they mirror a branch of the C++ formula (a guard when sizes
+are symbolic).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,260 @@ import torch
 
 from .rules import rule
 
+aten = torch.ops.aten
+INT64_MAX = 2**63 - 1
+
+
+def _i64(v):
+    """A saved int64 as a signed int: node getters return negative ints as uint64 (-1 -> 2**64 - 1)."""
+    return v - 2**64 if isinstance(v, int) and v >= 2**63 else v
+
+
+def _dims(dims):
+    return None if dims is None else [_i64(d) for d in dims]
+
+
+def _wrap(dim, ndim):
+    """at::maybe_wrap_dim."""
+    return dim + ndim if dim < 0 else dim
+
+
+def _maybe_multiply(t, s):
+    """maybe_multiply: multiplies only when the scalar is not 1."""
+    if not isinstance(s, complex) and s == 1:
+        return t
+    return t * s
+
+
+def _unsqueeze_multiple(t, dims, ndim):
+    """unsqueeze_multiple."""
+    if len(dims) == 1:
+        return t.unsqueeze(dims[0])
+    wrapped = {_wrap(d, ndim) for d in dims}
+    for i in range(ndim):
+        if i in wrapped:
+            t = t.unsqueeze(i)
+    return t
+
+
+def _sum_backward(grad, sizes, dims, keepdim):
+    """sum_backward (OptionalIntArrayRef overload)."""
+    if not keepdim and len(sizes) > 0 and dims:
+        return _unsqueeze_multiple(grad, dims, len(sizes)).expand(sizes)
+    return grad.expand(sizes)
+
+
+def _sum_to(t, shape):
+    """at::sum_to (ExpandUtils.h _sum_to, always_return_non_view=false)."""
+    if len(shape) == 0:
+        return t.sum()
+    sizes = t.shape
+    lead = len(sizes) - len(shape)
+    reduce = list(range(lead))
+    for i in range(lead, len(sizes)):
+        if shape[i - lead] == 1 and sizes[i] != 1:  # size branch
+            reduce.append(i)
+    if reduce:
+        t = t.sum(reduce, keepdim=True)
+    return t.view(shape) if lead > 0 else t
+
+
+def _unsqueeze_to(grad, dims, sizes):
+    """unsqueeze_to: unsqueeze dims (all if None) whose saved size is 1."""
+    ndim = len(sizes)
+    mask = range(ndim) if dims is None else {_wrap(d, ndim) for d in dims}
+    for d in range(ndim):
+        if d in mask and sizes[d] == 1:  # size branch
+            grad = grad.unsqueeze(d)
+    return grad
+
+
+def _mm_mat1_backward(grad, mat2, sizes, strides, alpha):
+    """mm_mat1_backward (strided layouts)."""
+    if strides[0] == 1 and strides[1] == sizes[0]:  # size/stride branch: column-major mat1
+        return _maybe_multiply(mat2.conj().mm(grad.t()).t(), alpha)
+    return _maybe_multiply(grad.mm(mat2.t().conj()), alpha)
+
+
+def _mm_mat2_backward(grad, mat1, sizes, strides, alpha):
+    """mm_mat2_backward (strided layouts)."""
+    if strides[0] == 1 and strides[1] == sizes[0]:  # size/stride branch: column-major mat2
+        return _maybe_multiply(grad.t().mm(mat1.conj()).t(), alpha)
+    return _maybe_multiply(mat1.t().conj().mm(grad), alpha)
+
+
+def _split_with_sizes_backward(grads, split_sizes, dim, sizes):
+    """split_with_sizes_backward: cat of grads, zeros for undefined ones."""
+    dim = _wrap(dim, len(sizes))
+    like = next(g for g in grads if g is not None)
+    full = []
+    for g, length in zip(grads, split_sizes):
+        if g is None:
+            shape = list(sizes)
+            shape[dim] = length
+            g = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        full.append(g)
+    return torch.cat(full, dim)
+
 
 @rule("SumBackward0")
 def sum_backward0(saved, grad):
+    """grad.expand_symint(self.sym_sizes())"""
     return (grad.expand(saved.self_sym_sizes),)
+
+
+@rule("SumBackward1")
+def sum_backward1(saved, grad):
+    """sum_backward(grad, self.sym_sizes(), dim, keepdim)"""
+    return (_sum_backward(grad, saved.self_sym_sizes, _dims(saved.dim), saved.keepdim),)
+
+
+@rule("MeanBackward0")
+def mean_backward0(saved, grad):
+    """grad.expand_symint(self.sym_sizes()) / self.sym_numel()"""
+    return (grad.expand(saved.self_sym_sizes) / saved.self_sym_numel,)
+
+
+@rule("MeanBackward1")
+def mean_backward1(saved, grad):
+    """mean_backward(grad, self.sym_sizes(), dim, self.sym_numel(), keepdim)"""
+    sizes, dims = saved.self_sym_sizes, _dims(saved.dim)
+    if not dims:
+        n = saved.self_sym_numel
+    else:  # _safe_size
+        n = 1
+        for d in dims if len(sizes) > 0 else ():
+            n = n * sizes[_wrap(d, len(sizes))]
+    return (_sum_backward(grad, sizes, dims, saved.keepdim) / n,)
+
+
+@rule("ViewBackward0")
+@rule("UnsafeViewBackward0")
+@rule("ReshapeAliasBackward0")
+def view_backward0(saved, grad):
+    """grad.reshape_symint(self.sym_sizes())"""
+    return (grad.reshape(saved.self_sym_sizes),)
+
+
+@rule("ExpandBackward0")
+def expand_backward0(saved, grad):
+    """at::sum_to(grad, self.sym_sizes())"""
+    return (_sum_to(grad, saved.self_sym_sizes),)
+
+
+@rule("MmBackward0")
+def mm_backward0(saved, grad):
+    """mm_mat1_backward / mm_mat2_backward with alpha 1 (an input's grad is None when it was not saved for)."""
+    g_self = g_mat2 = None
+    if saved.mat2 is not None:  # saved only if self needs grad
+        g_self = _mm_mat1_backward(grad, saved.mat2, saved.self_sym_sizes, saved.self_sym_strides, 1)
+    if saved.self is not None:  # saved only if mat2 needs grad
+        g_mat2 = _mm_mat2_backward(grad, saved.self, saved.mat2_sym_sizes, saved.mat2_sym_strides, 1)
+    return (g_self, g_mat2)
+
+
+@rule("AddmmBackward0")
+def addmm_backward0(saved, grad):
+    """maybe_multiply(grad, beta) / mm_mat1_backward / mm_mat2_backward with alpha (self's grad always computed)."""
+    alpha = saved.alpha
+    alpha = alpha.conjugate() if isinstance(alpha, complex) else alpha
+    beta = saved.beta
+    beta = beta.conjugate() if isinstance(beta, complex) else beta
+    g_mat1 = g_mat2 = None
+    if saved.mat2 is not None:
+        g_mat1 = _mm_mat1_backward(grad, saved.mat2, saved.mat1_sym_sizes, saved.mat1_sym_strides, alpha)
+    if saved.mat1 is not None:
+        g_mat2 = _mm_mat2_backward(grad, saved.mat1, saved.mat2_sym_sizes, saved.mat2_sym_strides, alpha)
+    return (_maybe_multiply(grad, beta), g_mat1, g_mat2)
+
+
+@rule("SelectBackward0")
+def select_backward0(saved, grad):
+    """select_backward_symint(grad, self.sym_sizes(), dim, index)"""
+    return (aten.select_backward.default(grad, saved.self_sym_sizes, _i64(saved.dim), _i64(saved.index)),)
+
+
+@rule("SliceBackward0")
+def slice_backward0(saved, grad):
+    """slice_backward_wrapper: slice_backward with start None -> 0, end None -> INT64_MAX."""
+    start = 0 if saved.start is None else _i64(saved.start)
+    end = INT64_MAX if saved.end is None else _i64(saved.end)
+    return (aten.slice_backward.default(grad, saved.self_sym_sizes, _i64(saved.dim), start, end, saved.step),)
+
+
+@rule("SqueezeBackward0")
+@rule("SqueezeBackward3")  # squeeze_
+def squeeze_backward0(saved, grad):
+    """unsqueeze_to(grad, self.sym_sizes())"""
+    return (_unsqueeze_to(grad, None, saved.self_sym_sizes),)
+
+
+@rule("SqueezeBackward1")
+@rule("SqueezeBackward4")  # squeeze_.dim
+def squeeze_backward1(saved, grad):
+    """unsqueeze_to(grad, dim, self.sym_sizes())"""
+    return (_unsqueeze_to(grad, [_i64(saved.dim)], saved.self_sym_sizes),)
+
+
+@rule("SqueezeBackward2")
+@rule("SqueezeBackward5")  # squeeze_.dims
+def squeeze_backward2(saved, grad):
+    """unsqueeze_to(grad, dim, self.sym_sizes()) with a dim list"""
+    return (_unsqueeze_to(grad, _dims(saved.dim), saved.self_sym_sizes),)
+
+
+@rule("UnsqueezeBackward0")
+@rule("UnsqueezeBackward1")  # unsqueeze_
+def unsqueeze_backward0(saved, grad):
+    """grad.squeeze(dim)"""
+    return (grad.squeeze(_i64(saved.dim)),)
+
+
+@rule("SplitBackward0")
+@rule("UnsafeSplitBackward0")
+def split_backward0(saved, *grads):
+    """split_backward: split_with_sizes_backward with the last chunk's size computed from the dim size."""
+    sizes, split_size, n = saved.self_sym_sizes, saved.split_size, len(grads)
+    dim = _wrap(_i64(saved.dim), len(sizes))
+    split_sizes = [split_size] * n
+    split_sizes[-1] = split_size - (split_size * n - sizes[dim])
+    return (_split_with_sizes_backward(grads, split_sizes, dim, sizes),)
+
+
+@rule("SplitWithSizesBackward0")
+@rule("UnsafeSplitWithSizesBackward0")
+def split_with_sizes_backward0(saved, *grads):
+    """split_with_sizes_backward(grads, split_sizes, dim, self.sym_sizes(), self.options())"""
+    return (_split_with_sizes_backward(grads, saved.split_sizes, _i64(saved.dim), saved.self_sym_sizes),)
+
+
+@rule("StackBackward0")
+def stack_backward0(saved, grad):
+    """stack_tensors_backward: grad.select(dim, i) per input (count = grad.size(dim), a list length)."""
+    assert not grad.is_complex()
+    dim = _i64(saved.dim)
+    return tuple(grad.select(dim, i) for i in range(grad.shape[dim]))
+
+
+@rule("UnbindBackward0")
+def unbind_backward0(saved, *grads):
+    """unbind_backward: stack of grads, zeros({}).expand(sizes) for undefined ones."""
+    like = next(g for g in grads if g is not None)
+    zero = torch.zeros((), dtype=like.dtype, device=like.device)
+    full = [zero.expand(like.shape) if g is None else g for g in grads]
+    return (torch.stack(full, _i64(saved.dim)),)
+
+
+@rule("IndexBackward0")
+def index_backward0(saved, grad):
+    """index_backward(grad.new_zeros_symint(self.sym_sizes()), indices, grad): _index_put_impl_(accumulate, unsafe)."""
+    zeros = grad.new_zeros(saved.self_sym_sizes)
+    return (aten._index_put_impl_.default(zeros, list(saved.indices), grad, True, True),)
+
+
+@rule("EmbeddingBackward0")
+def embedding_backward0(saved, grad):
+    """embedding_backward_symint(grad, indices, weight.sym_size(0), padding_idx, scale_grad_by_freq, sparse)"""
+    return (aten.embedding_backward.default(
+        grad, saved.indices, saved.weight_sym_argsize_0, _i64(saved.padding_idx),
+        saved.scale_grad_by_freq, saved.sparse),)

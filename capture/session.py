@@ -23,12 +23,14 @@ from . import hook_ops, routing
 from .cache import cache
 from .captured_graph import CapturedGraph
 from .errors import FallbackWarning, Unsupported, _Fallback
+from . import explain
+from .shapes import Guard, SymbolicSizes, baked_positions, changed_positions, dynamic_candidates
 from .tracer import trace_backward
 from .walk import OPAQUE, BackwardCall, walk_backward
 
 log = logging.getLogger("gradfx")
 
-COUNTERS = ("captures", "cache_hits", "fallbacks", "compiles")
+COUNTERS = ("captures", "cache_hits", "fallbacks", "compiles", "recaptures")
 _global_stats = dict.fromkeys(COUNTERS, 0)
 _local = threading.local()
 
@@ -56,9 +58,10 @@ def current() -> "Session | None":
 class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
-    __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python")
+    __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions")
 
-    def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool):
+    def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
+                 guard, size_positions=()):
         self.fn = fn
         self.boxed = getattr(fn, "_boxed", None)
         self.captured = captured
@@ -66,6 +69,8 @@ class CompiledBackward:
         # Hooks and opaque calls run user code that may ask torch about the
         # running graph task (multi-grad hooks, checkpoint's recomputation cache).
         self.runs_python = runs_python
+        self.guard = guard
+        self.size_positions = size_positions  # sizes passed to the graph, before its inputs
 
 
 class Session:
@@ -118,11 +123,10 @@ class Session:
             if any(g is None for g in grad_tensors):
                 raise _Fallback("a root without a gradient")  # eager raises the error
             call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad)
-            key = (call.key, self._config_key)
-            entry = cache.get(key)
+            structure = (call.key, self._config_key)
+            entry = cache.lookup(structure, call.sizes)
             if entry is None:
-                entry = self._capture(call)
-                cache.put(key, entry)
+                entry = self._capture(call, structure)
                 self._count("captures")
             else:
                 self._count("cache_hits")
@@ -145,10 +149,53 @@ class Session:
         self._count("fallbacks")
         return engine.run_backward(*args)
 
-    def _capture(self, call: BackwardCall) -> CompiledBackward:
-        dynamic = self.dynamic is True
+    def _capture(self, call: BackwardCall, structure) -> CompiledBackward:
+        recapture = cache.known(structure)
+        if recapture:
+            self._count("recaptures")
+            log.info("gradfx: recapture: no cached graph's guard holds; %s",
+                     explain.size_change(call, cache.last_sizes[structure]))
+        else:
+            explain.log_structure_miss(call.key)
+        dynamic = self._dynamic_positions(call, structure)
+        trace, symbolic = None, None
+        if dynamic:
+            symbolic = SymbolicSizes(call.sizes, dynamic)
+            try:
+                trace = trace_backward(call, symbolic)
+            except Exception:
+                log.info("gradfx: tracing with symbolic sizes failed; capturing static sizes",
+                         exc_info=log.isEnabledFor(logging.DEBUG))
+                symbolic = None
+                call.kinds = list(call.walk_kinds)
+        if trace is None:
+            trace = self._trace(call, None)
+        guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
+        captured, compiled = self.compile_graph(trace, call, guards=guard.text)
+        release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
+        self.graphs.append(captured)
+        entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
+                                 guard, symbolic.positions if symbolic is not None else ())
+        if symbolic is not None:
+            cache.dynamic_positions[structure] = set(symbolic.positions)
+        cache.put(structure, call.sizes, entry, dynamic=symbolic is not None)
+        return entry
+
+    def _dynamic_positions(self, call: BackwardCall, structure) -> set:
+        if self.dynamic is False:
+            return set()
+        if self.dynamic is True:
+            wanted = dynamic_candidates(call.sizes)
+        else:
+            previous = cache.last_sizes.get(structure)
+            if previous is None:
+                return set()
+            wanted = changed_positions(previous, call.sizes) | cache.dynamic_positions.get(structure, set())
+        return wanted - baked_positions(call)
+
+    def _trace(self, call, symbolic):
         try:
-            trace = trace_backward(call, dynamic=dynamic)
+            return trace_backward(call, symbolic)
         except _Fallback:
             raise
         except Exception as err:
@@ -157,16 +204,12 @@ class Session:
                 raise
             log.debug("gradfx: trace failed", exc_info=True)
             raise _Fallback(f"tracing failed ({type(err).__name__}: {err})") from err
-        captured, compiled = self.compile_graph(trace, call)
-        release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
-        self.graphs.append(captured)
-        return CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after))
 
-    def compile_graph(self, trace, call: BackwardCall, compile: bool = True):
+    def compile_graph(self, trace, call: BackwardCall, compile: bool = True, guards=()):
         start = time.perf_counter()
         records = reorder.run_pipeline(trace.graph, self.passes)
         gm = fx.GraphModule(torch.nn.Module(), trace.graph)
-        captured = CapturedGraph(gm, passes=records, opaque_nodes=trace.opaque,
+        captured = CapturedGraph(gm, passes=records, opaque_nodes=trace.opaque, guards=guards,
                                  autograd_nodes=len(call.nodes),
                                  capture_seconds=trace.seconds, example_inputs=call.inputs)
         compiled = self._compile(gm, list(call.inputs)) if compile else None
@@ -198,6 +241,9 @@ class Session:
 
 def _run(entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
     inputs = call.inputs
+    if entry.size_positions:
+        sizes = call.sizes
+        inputs = [sizes[p] for p in entry.size_positions] + inputs
     call.inputs = None  # the compiled graph becomes the only owner of its inputs
     owned = call.owned
     if not keep_graph:

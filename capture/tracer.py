@@ -29,10 +29,13 @@ from torch.fx.experimental.proxy_tensor import (
     get_proxy_slot,
     track_tensor_tree,
 )
+from torch._prims_common import make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from . import hook_ops, runtime_ops
 from .ready_queue import ReadyQueue
+from .rules import apply_rule
+from .shapes import SymbolicSizes
 from .saved_tensors import substitute
 from .walk import ACCUMULATE, FUNCTION, OPAQUE, TRACED, BackwardCall
 
@@ -47,6 +50,20 @@ class Trace:
     seconds: float
 
 
+class _SymbolicSaved:
+    """``saved`` for a rule while tracing: size values symbolic, the rest as saved."""
+
+    def __init__(self, node, i, tracer):
+        self._node, self._i, self._tracer = node, i, tracer
+
+    def __getattr__(self, name):
+        attr = "_saved_" + name
+        slot = self._tracer.call.value_slots.get((self._i, attr))
+        if slot is not None:
+            return self._tracer.symbolic.rebuild(*slot)
+        return getattr(self._node, attr)  # tensors come back as fakes (substituted)
+
+
 class _Input:
     """Stands for a non-tensor runtime input (hook, leaf, node) while tracing."""
 
@@ -57,9 +74,11 @@ class _Input:
 
 
 class _Tracer:
-    def __init__(self, call: BackwardCall, dynamic: bool):
+    def __init__(self, call: BackwardCall, symbolic: SymbolicSizes | None):
         self.call = call
-        self.shape_env = ShapeEnv()
+        self.symbolic = symbolic
+        dynamic = symbolic is not None
+        self.shape_env = symbolic.shape_env if dynamic else ShapeEnv()
         self.fake_mode = FakeTensorMode(shape_env=self.shape_env, static_shapes=not dynamic)
         self.tracer = PythonKeyTracer()
         self.tracer.root = torch.nn.Module()
@@ -79,6 +98,13 @@ class _Tracer:
         names = {"grad": "grad", "saved": "saved", "variable": "leaf", "node": "node",
                  "hook": "hook", "retained": "retained"}
         fakes = []
+        symbolic = self.symbolic
+        if symbolic is not None:  # one size input per dynamic position, first
+            for p in symbolic.positions:
+                proxy = self.tracer.create_proxy("placeholder", f"size_{p}", (), {})
+                proxy.node.meta["gradfx_kind"] = "size"
+                proxy.node.meta["val"] = symbolic.symint[p]
+                track_tensor_tree(symbolic.symint[p], proxy, constant=None, tracer=self.tracer)
         for i, (value, kind) in enumerate(zip(call.inputs, call.input_kinds)):
             proxy = self.tracer.create_proxy("placeholder", f"{names[kind]}_{i}", (), {})
             proxy.node.meta["gradfx_kind"] = kind
@@ -86,7 +112,7 @@ class _Tracer:
             if owner >= 0:
                 proxy.node.meta["gradfx_node"] = call.node_label(owner)
             if kind in ("grad", "saved"):
-                fake = self.fake_mode.from_tensor(value)
+                fake = self.fake_tensor(i, value)
                 track_tensor_tree(fake, proxy, constant=None, tracer=self.tracer)
                 proxy.node.meta["val"] = fake
                 fakes.append(fake)
@@ -94,6 +120,26 @@ class _Tracer:
                 self.object_proxies[i] = proxy
                 fakes.append(value)
         return fakes
+
+    def fake_tensor(self, pos, value):
+        if self.symbolic is None:
+            return self.fake_mode.from_tensor(value)
+        start, ndim, stride_start = self.call.tensor_slots[pos]
+        shape = self.symbolic.values(start, ndim)
+        if stride_start < 0:
+            strides = make_contiguous_strides_for(shape)
+        else:
+            strides = self.symbolic.values(stride_start, ndim)
+        with self.fake_mode:
+            return torch.empty_strided(shape, strides, dtype=value.dtype, device=value.device)
+
+    def meta(self, i, nr):
+        """(shape, dtype, device) of input ``nr`` of node ``i``, sizes symbolic where they are."""
+        m = self.call.nodes[i]._input_metadata[nr]
+        if self.symbolic is None:
+            return tuple(m.shape), m.dtype, m.device
+        start = self.call.meta_slots[(i, nr)]
+        return tuple(self.symbolic.values(start, len(m.shape))), m.dtype, m.device
 
     def proxy(self, x):
         return get_proxy_slot(x, self.tracer).proxy
@@ -174,7 +220,11 @@ class _Tracer:
         graph = self.tracer.graph
         before = list(graph.nodes)[-1]
         try:
-            out = node(*grads)
+            out = None
+            if self.symbolic is not None:
+                out = apply_rule(node, grads, _SymbolicSaved(node, i, self))
+            if out is None:
+                out = node(*grads)
         except Exception as err:  # cannot run on fakes: undo and go opaque
             for n in reversed(list(graph.nodes)):
                 if n is before:
@@ -190,8 +240,8 @@ class _Tracer:
         before = list(graph.nodes)[-1]
         try:
             if ctx.__dict__.get("_gradfx_materialize_grads", True):
-                grads = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
-                         for g, m in zip(grads, ctx._input_metadata)]
+                grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1]) if g is None else g
+                         for k, g in enumerate(grads)]
             result = ctx.apply(*grads)
             result = result if type(result) is tuple else (result,)
             needs = ctx.needs_input_grad
@@ -220,10 +270,10 @@ class _Tracer:
                 metas.append(None)
                 like.append(None)
             else:
-                m = self.call.nodes[e[0]]._input_metadata[e[1]]
-                metas.append((tuple(m.shape), m.dtype))
+                shape, dtype, device = self.meta(e[0], e[1])
+                metas.append((shape, dtype))
                 with disable_proxy_modes_tracing():
-                    like.append(torch.empty(tuple(m.shape), dtype=m.dtype, device=m.device))
+                    like.append(torch.empty(shape, dtype=dtype, device=device))
         fn = runtime_ops.call_backward if isinstance(node, BackwardCFunction) else runtime_ops.call_node
         outs = self.python_call(fn, (_Input(node_input), tuple(metas), (False,) * len(metas)) + tuple(grads),
                                 tuple(like), label, "opaque")
@@ -249,7 +299,7 @@ class _Tracer:
         proxy.node.meta["gradfx_kind"] = "accumulate"
 
 
-def _validate(node, outputs, edges, nodes):
+def _validate(t, node, outputs, edges):
     """engine.cpp validate_outputs on traced (fake) outputs."""
     if len(outputs) != len(edges):
         raise RuntimeError(f"Function {node.name()} returned an invalid number of gradients - "
@@ -259,8 +309,8 @@ def _validate(node, outputs, edges, nodes):
         if e is None or g is None:
             result.append(g)
             continue
-        meta = nodes[e[0]]._input_metadata[e[1]]
-        result.append(runtime_ops.validate_output(g, meta.shape, meta.dtype, node.name(), k))
+        shape, dtype, _ = t.meta(e[0], e[1])
+        result.append(runtime_ops.validate_output(g, shape, dtype, node.name(), k))
     return result
 
 
@@ -334,7 +384,7 @@ def _run_engine(t: _Tracer, grads):
         if outputs is None:
             outputs = t.run_opaque(i, node, inputs, call.node_input[i])
         else:
-            outputs = _validate(node, outputs, edges[i], nodes)
+            outputs = _validate(t, node, outputs, edges[i])
         if spec is not None and spec.post:
             outputs = t.post_hooks(i, spec, outputs, inputs)
         for g, e in zip(outputs, edges[i]):
@@ -343,10 +393,10 @@ def _run_engine(t: _Tracer, grads):
     return captured
 
 
-def trace_backward(call: BackwardCall, dynamic: bool = False) -> Trace:
-    """Record ``call`` into an fx graph."""
+def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) -> Trace:
+    """Record ``call`` into an fx graph (sizes symbolic where ``symbolic`` says)."""
     start = time.perf_counter()
-    t = _Tracer(call, dynamic)
+    t = _Tracer(call, symbolic)
     fakes = t.placeholders()
     grads = fakes[: len(call.roots)]
     table = {}

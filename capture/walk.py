@@ -36,9 +36,28 @@ class TypeInfo:
     raw_saved: tuple[str, ...]  # `_raw_saved_x` attributes (SavedVariables)
     saved_tensors: tuple[str, ...]  # the matching `_saved_x` attributes
     saved_values: tuple[str, ...]  # other `_saved_x`: ints, floats, sizes, ...
+    size_values: frozenset  # those of saved_values that hold sizes, strides or numels
 
 
 _type_info: dict[type, TypeInfo] = {}
+
+# Saved values whose names say they hold sizes: these may become symbolic.
+_SIZE_WORDS = ("sizes", "strides", "numel", "argsize", "split_size")
+
+
+class _NodeMark(int):
+    """Marks where a node's part of the cache key starts (for explaining misses)."""
+
+
+def _flatten_sizes(value, out: list):
+    """Append the ints of a size value (int, tuple of ints, list of tuples) to ``out``;
+    return its layout (None for an int, else the nested lengths) for the key."""
+    if value is None:
+        return "none"
+    if isinstance(value, (tuple, list)):
+        return tuple(_flatten_sizes(v, out) for v in value)
+    out.append(value)
+    return None
 
 
 def type_info(node_type: type) -> TypeInfo:
@@ -55,7 +74,8 @@ def type_info(node_type: type) -> TypeInfo:
             kind, raw, tensors, values = FUNCTION, ("_raw_saved_tensors",), ("saved_tensors",), ()
         else:
             kind = TRACED
-        info = _type_info[node_type] = TypeInfo(kind, raw, tensors, values)
+        sized = frozenset(v for v in values if any(w in v for w in _SIZE_WORDS))
+        info = _type_info[node_type] = TypeInfo(kind, raw, tensors, values, sized)
     return info
 
 
@@ -146,7 +166,14 @@ class BackwardCall:
     input_owner: list  # per input: node index (-1 for root grads)
     node_input: dict  # node index -> input position of its node object / leaf tensor
     hooks: dict  # node index -> HookSpec
-    key: tuple = field(default=())
+    key: tuple  # the structure: everything but sizes
+    sizes: list  # every size-like int (shapes, non-contiguous strides, saved sizes)
+    tensor_slots: dict  # input position -> (shape start, ndim, stride start or -1 if contiguous)
+    meta_slots: dict  # (node index, input_nr) -> start of that input's shape in sizes
+    value_slots: dict  # (node index, attr) -> (start, layout) of a saved size value
+
+    def __post_init__(self):
+        self.walk_kinds = tuple(self.kinds)  # tracing may turn nodes opaque; kept for a retry
 
     def executed_ids(self) -> frozenset:
         """ids of the nodes this backward executes (for torch._C._will_engine_execute_node)."""
@@ -255,6 +282,42 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
     node_input = {}
     hooks = {}
 
+    sizes: list = []
+    tensor_slots: dict = {}
+    meta_slots: dict = {}
+    value_slots: dict = {}
+
+    def tensor_key(t, pos):
+        # Structure of a tensor input; its sizes (and strides unless contiguous) go
+        # to `sizes`, so that they can be guarded or made symbolic.
+        start = len(sizes)
+        sizes.extend(t.shape)
+        if t.is_contiguous():
+            stride_start = -1
+        else:
+            stride_start = len(sizes)
+            sizes.extend(t.stride())
+        if pos is not None:
+            tensor_slots[pos] = (start, t.dim(), stride_start)
+        return (t.dtype, t.device, t.layout, t.dim(), stride_start < 0)
+
+    def metas_key(i, node):
+        out = []
+        for nr, meta in enumerate(node._input_metadata):
+            shape = meta.shape
+            meta_slots[(i, nr)] = len(sizes)
+            sizes.extend(shape)
+            out.append((len(shape), meta.dtype))
+        return tuple(out)
+
+    def value_key(i, attr, value):
+        if attr in info_sizes:
+            start = len(sizes)
+            layout = _flatten_sizes(value, sizes)
+            value_slots[(i, attr)] = (start, layout)
+            return layout
+        return _value_key(value)
+
     def add_input(value, kind, owner):
         run_inputs.append(value)
         input_kinds.append(kind)
@@ -288,13 +351,16 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
         if spec.tensor_pre or spec.retain or spec.pre or spec.post or spec.post_accumulate:
             hooks[i] = spec
             key.append(spec.key())
-    key = [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate,
-           tuple(g.dtype for g in grads), tuple(g.shape for g in grads)]
+    key = [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate]
+    for k, g in enumerate(grads):
+        key.append(tensor_key(g, k))
     for i, node in enumerate(nodes):
         runs = needed is None or needed[i]
         tnode = type(node)
         info = _type_info.get(tnode) or type_info(tnode)
+        info_sizes = info.size_values
         kind = info.kind
+        key.append(_NodeMark(i))
         key.append((tnode, edges[i], rank[i], runs))
         if not runs:
             if i in captures:  # tensor pre-hooks still run before the capture
@@ -302,14 +368,13 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
             continue
         if kind is ACCUMULATE:
             var = node.variable
-            key.append((var.dtype, var.shape, var.stride(), var.device, var.requires_grad))
+            key.append((tensor_key(var, None), var.requires_grad, metas_key(i, node)))
             node_input[i] = add_input(var, "variable", i)
             add_hooks(i, node, var)
         elif kind is TRACED:
-            for meta in node._input_metadata:
-                key.append((tuple(meta.shape), meta.dtype))
+            key.append(metas_key(i, node))
             for attr in info.saved_values:
-                key.append(_value_key(getattr(node, attr)))
+                key.append(value_key(i, attr, getattr(node, attr)))
             if info.raw_saved:
                 try:
                     saved, mask = take_saved(node, info.raw_saved, info.saved_tensors)
@@ -320,8 +385,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
                     owned[i] = saved
                     key.append(mask)
                     for t in saved.tensors:
-                        key.append(tensor_meta(t))
-                        add_input(t, "saved", i)
+                        key.append(tensor_key(t, add_input(t, "saved", i)))
             # The node itself is an input too: it runs opaquely if it cannot be
             # traced on fake tensors (and a placeholder nobody uses costs nothing).
             node_input[i] = add_input(node, "node", i)
@@ -329,8 +393,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
         else:  # FUNCTION
             traceable = is_traceable(tnode)
             key.append((node.needs_input_grad, function_materializes(node), traceable))
-            for meta in node._input_metadata:
-                key.append((tuple(meta.shape), meta.dtype))
+            key.append(metas_key(i, node))
             if traceable:  # ctx attributes are baked into the traced formula
                 key.append(_ctx_key(node))
             try:
@@ -342,8 +405,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
                 owned[i] = saved
                 key.append(mask)
                 for t in saved.tensors:
-                    key.append(tensor_meta(t))
-                    add_input(t, "saved", i)
+                    key.append(tensor_key(t, add_input(t, "saved", i)))
             kind = FUNCTION if traceable else OPAQUE
             node_input[i] = add_input(node, "node", i)
             add_hooks(i, node)
@@ -351,7 +413,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
 
     return BackwardCall(nodes, kinds, edges, seq, deps, roots, outputs, accumulate,
                         needed, captures, owned, run_inputs, input_kinds, input_owner,
-                        node_input, hooks, tuple(key))
+                        node_input, hooks, tuple(key), sizes, tensor_slots, meta_slots, value_slots)
 
 
 def _exec_info(edges, outputs, accumulate):

@@ -1,0 +1,64 @@
+"""Words for why a cached graph was not reused (logged on the ``gradfx`` logger)."""
+
+from __future__ import annotations
+
+import logging
+
+from .walk import BackwardCall, _NodeMark
+
+log = logging.getLogger("gradfx")
+
+_last_key: list = [None]
+
+
+def describe_position(call: BackwardCall, pos: int) -> str:
+    """Which tensor or saved value a position of ``call.sizes`` belongs to."""
+    for input_pos, (start, ndim, stride_start) in call.tensor_slots.items():
+        if start <= pos < start + ndim:
+            return f"{_input_name(call, input_pos)} dim {pos - start}"
+        if stride_start >= 0 and stride_start <= pos < stride_start + ndim:
+            return f"{_input_name(call, input_pos)} stride {pos - stride_start}"
+    for (i, nr), start in call.meta_slots.items():
+        ndim = len(call.nodes[i]._input_metadata[nr].shape)
+        if start <= pos < start + ndim:
+            return f"gradient {nr} of {call.node_label(i)} dim {pos - start}"
+    for (i, attr), (start, _) in sorted(call.value_slots.items(), key=lambda kv: kv[1][0]):
+        if start <= pos:
+            last = (i, attr, start)
+    if "last" in locals():
+        i, attr, start = last
+        return f"{call.node_label(i)} saved {attr[len('_saved_'):]} (item {pos - start})"
+    return f"size {pos}"
+
+
+def _input_name(call, input_pos):
+    kind = call.input_kinds[input_pos]
+    owner = call.input_owner[input_pos]
+    if owner < 0:
+        return f"root gradient {input_pos}"
+    return f"{kind} tensor of {call.node_label(owner)}"
+
+
+def size_change(call: BackwardCall, old_sizes, limit: int = 4) -> str:
+    changed = [p for p, (a, b) in enumerate(zip(old_sizes, call.sizes)) if a != b]
+    parts = [f"{describe_position(call, p)} changed {old_sizes[p]} -> {call.sizes[p]}"
+             for p in changed[:limit]]
+    more = f" (and {len(changed) - limit} more sizes)" if len(changed) > limit else ""
+    return "; ".join(parts) + more if parts else "sizes as before"
+
+
+def log_structure_miss(key: tuple) -> None:
+    """Log how this graph's structure differs from the last one captured."""
+    previous, _last_key[0] = _last_key[0], key
+    if previous is None or not log.isEnabledFor(logging.INFO):
+        return
+    node = None
+    for k, (a, b) in enumerate(zip(previous, key)):
+        if isinstance(b, _NodeMark):
+            node = int(b)
+        if a != b:
+            where = f"node {node}" if node is not None else "roots"
+            log.info("gradfx: new structure: at %s, %r -> %r", where, a, b)
+            return
+    if len(previous) != len(key):
+        log.info("gradfx: new structure: %d -> %d key items", len(previous), len(key))

@@ -1,0 +1,200 @@
+"""Symbolic sizes and the guards under which a captured graph is reused.
+
+A backward's sizes are gathered by the walk into one flat list (``call.sizes``):
+tensor shapes, strides of non-contiguous tensors, input-metadata shapes and saved
+size values.  A graph is captured for a set of *dynamic* positions of that list:
+each gets its own symbol in a ShapeEnv (no duck sizing), every other position is
+static.  Tracing with those symbols records, in the ShapeEnv, every relation the
+backward formulas rely on (``s3 == s0``, ``s0 >= 2``, ...).  The guard of the
+graph is then:
+
+* static positions equal their captured values;
+* each dynamic position equals its symbol's expression after the ShapeEnv's
+  replacements (so ``sizes[7] == sizes[0]`` where two dims must agree);
+* the free symbols lie in their ranges, and the ShapeEnv's other guards hold.
+
+It is compiled into one Python function of ``sizes``, so checking it costs a few
+microseconds.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch._guards import GuardSource, Source
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.printers import PythonPrinter
+
+from .rules import RULES
+from .walk import TRACED, BackwardCall
+
+
+@dataclass(frozen=True)
+class SizeSource(Source):
+    """Where a symbol comes from: a position of the backward's size list."""
+
+    pos: int
+
+    @property
+    def name(self) -> str:
+        return f"sizes[{self.pos}]"
+
+    @property
+    def guard_source(self) -> GuardSource:
+        return GuardSource.LOCAL
+
+
+def dynamic_candidates(sizes) -> set[int]:
+    """dynamic=True: every size that is not 0 or 1 (those stay static: broadcasting)."""
+    return {p for p, v in enumerate(sizes) if v >= 2}
+
+
+def changed_positions(old, new) -> set[int]:
+    """dynamic="auto": sizes that changed between two backwards of one structure."""
+    return {p for p, (a, b) in enumerate(zip(old, new)) if a != b and a >= 2 and b >= 2}
+
+
+def baked_positions(call: BackwardCall) -> set[int]:
+    """Sizes that a traced node's own C++ formula would read as constants (no rule)."""
+    out = set()
+    for (i, attr), (start, layout) in call.value_slots.items():
+        if call.kinds[i] is TRACED and type(call.nodes[i]).__name__ not in RULES:
+            out.update(range(start, start + _count(layout)))
+    return out
+
+
+def _count(layout) -> int:
+    if layout is None:
+        return 1
+    if layout == "none":
+        return 0
+    return sum(_count(x) for x in layout)
+
+
+class SymbolicSizes:
+    """The symbols of one capture: position -> SymInt, in a fresh ShapeEnv."""
+
+    def __init__(self, sizes: list, dynamic: set[int]):
+        self.shape_env = ShapeEnv(duck_shape=False)
+        self.sizes = list(sizes)
+        self.positions = sorted(dynamic)
+        self.symint = {}
+        for p in self.positions:
+            source = SizeSource(p)
+            sym = self.shape_env.create_symbol(sizes[p], source, dynamic_dim=DimDynamic.DYNAMIC)
+            self.symint[p] = self.shape_env.create_symintnode(sym, hint=sizes[p], source=source)
+
+    def value(self, p):
+        return self.symint.get(p, self.sizes[p])
+
+    def values(self, start, n):
+        return [self.value(p) for p in range(start, start + n)]
+
+    def rebuild(self, start, layout):
+        """A saved size value (int / tuple / list of tuples) with symbols in place."""
+        pos = [start]
+
+        def build(lay):
+            if lay is None:
+                v = self.value(pos[0])
+                pos[0] += 1
+                return v
+            if lay == "none":
+                return None
+            return tuple(build(x) for x in lay)
+        return build(layout)
+
+    def guard(self) -> "Guard":
+        return Guard.build(self)
+
+
+class Guard:
+    """The compiled condition on ``sizes`` under which a graph is reused."""
+
+    def __init__(self, check, text: list[str], positions: list[int]):
+        self.check = check
+        self.text = text
+        self.positions = positions  # the free symbols' positions: the graph's size inputs
+
+    def __call__(self, sizes) -> bool:
+        return self.check(sizes)
+
+    @staticmethod
+    def static(sizes) -> "Guard":
+        expected = tuple(sizes)
+        return Guard(lambda s: tuple(s) == expected, [f"all {len(expected)} sizes as captured"], [])
+
+    @staticmethod
+    def build(symbolic: SymbolicSizes) -> "Guard":
+        env = symbolic.shape_env
+        dynamic = set(symbolic.positions)
+        static = [p for p in range(len(symbolic.sizes)) if p not in dynamic]
+        exprs = {}
+        for p in symbolic.positions:
+            exprs[p] = env.replace(symbolic.symint[p].node.expr)
+        free = sorted({s for e in exprs.values() for s in e.free_symbols}, key=lambda s: s.name)
+        # Each free symbol is read from the first position that is exactly it.
+        home = {}
+        for p in symbolic.positions:
+            e = exprs[p]
+            if isinstance(e, sympy.Symbol) and e not in home:
+                home[e] = p
+        names = {s: f"s{k}" for k, s in enumerate(sorted(free, key=lambda s: home[s]))}
+        printer = PythonPrinter()
+        lines, text = [], []
+        for s in free:
+            lines.append(f"{names[s]} = sizes[{home[s]}]")
+        conds = []
+        for s in free:
+            vr = env.var_to_range.get(s)
+            lower = int(vr.lower) if vr is not None and _finite(vr.lower) else 2
+            conds.append(f"{names[s]} >= {lower}")
+            text.append(f"{names[s]} >= {lower}")
+            if vr is not None and _finite(vr.upper):
+                conds.append(f"{names[s]} <= {int(vr.upper)}")
+                text.append(f"{names[s]} <= {int(vr.upper)}")
+        for p in symbolic.positions:
+            e = exprs[p]
+            if home.get(e) == p:
+                continue
+            code = printer.doprint(e.xreplace({s: sympy.Symbol(names[s]) for s in free}))
+            conds.append(f"sizes[{p}] == {code}")
+            if not isinstance(e, sympy.Symbol) or True:
+                text.append(f"sizes[{p}] == {code}")
+        for g in env.guards:
+            e = env.simplify(g.expr)
+            if e == sympy.true or (isinstance(e, sympy.Eq) and e.lhs in exprs.values()):
+                continue
+            code = printer.doprint(e.xreplace({s: sympy.Symbol(names[s]) for s in free}))
+            if code not in conds:
+                conds.append(code)
+                text.append(code)
+        text.append(f"{len(static)} other sizes as captured")
+        getter = operator.itemgetter(*static) if static else (lambda s: ())
+        expected = tuple(symbolic.sizes[p] for p in static)
+        if len(static) == 1:
+            expected = expected[0]
+        body = "\n    ".join(lines + [f"return ({' and '.join(conds) or 'True'})"])
+        src = f"def check(sizes):\n    if getter(sizes) != expected:\n        return False\n    {body}\n"
+        namespace = {"getter": getter, "expected": expected}
+        exec(compile(src, "<gradfx guard>", "exec"), namespace)
+        text = _readable(text, names)
+        return Guard(namespace["check"], text, [home[s] for s in sorted(free, key=lambda s: home[s])])
+
+
+def _finite(bound) -> bool:
+    return bound not in (sympy.oo, -sympy.oo, int_oo, -int_oo)
+
+
+def _readable(text, names):
+    # De-duplicate while keeping order.
+    seen, out = set(), []
+    for t in text:
+        if t not in seen:
+            seen.add(t)
+            out.append(t)
+    return out
