@@ -32,6 +32,12 @@ class GraphCache:
             self._lru.move_to_end(id(entry))
         return entry
 
+    def entries(self, structure) -> list:
+        """The cached entries of a structure, dynamic ones first (for explanations)."""
+        found = list(self._dynamic.get(structure, ()))
+        found += [e for (st, _), e in self._static.items() if st == structure]
+        return found
+
     def known(self, structure) -> bool:
         return structure in self.last_sizes
 

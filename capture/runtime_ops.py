@@ -136,7 +136,9 @@ def validate_output(grad, shape, dtype, node_name: str, index: int):
     """engine.cpp's validate_outputs for one gradient: reduce broadcast, cast dtype."""
     if grad is None:
         return None
-    if grad.shape != shape:
+    # Lengths first: comparing a symbolic size with an unrelated static one that
+    # happens to be equal would specialize the symbol.
+    if len(grad.shape) != len(shape) or grad.shape != shape:
         if not _expandable(shape, grad.shape):
             raise RuntimeError(
                 f"Function {node_name} returned an invalid gradient at index {index} - got "

@@ -153,8 +153,10 @@ class Session:
         recapture = cache.known(structure)
         if recapture:
             self._count("recaptures")
-            log.info("gradfx: recapture: no cached graph's guard holds; %s",
-                     explain.size_change(call, cache.last_sizes[structure]))
+            if log.isEnabledFor(logging.INFO):
+                failed = "; ".join(f"guard {e.guard.failing(call.sizes)}" for e in cache.entries(structure)[:2])
+                log.info("gradfx: recapture: %s; %s", failed or "no graph",
+                         explain.size_change(call, cache.last_sizes[structure]))
         else:
             explain.log_structure_miss(call.key)
         dynamic = self._dynamic_positions(call, structure)
@@ -190,7 +192,7 @@ class Session:
             previous = cache.last_sizes.get(structure)
             if previous is None:
                 return set()
-            wanted = changed_positions(previous, call.sizes) | cache.dynamic_positions.get(structure, set())
+            wanted = changed_positions(previous, call.sizes, call) | cache.dynamic_positions.get(structure, set())
         return wanted - baked_positions(call)
 
     def _trace(self, call, symbolic):

@@ -53,9 +53,26 @@ def dynamic_candidates(sizes) -> set[int]:
     return {p for p, v in enumerate(sizes) if v >= 2}
 
 
-def changed_positions(old, new) -> set[int]:
-    """dynamic="auto": sizes that changed between two backwards of one structure."""
-    return {p for p, (a, b) in enumerate(zip(old, new)) if a != b and a >= 2 and b >= 2}
+def changed_positions(old, new, call: BackwardCall | None = None) -> set[int]:
+    """dynamic="auto": sizes that changed between two backwards of one structure.
+
+    With ``call``, also every size of the saved tensors of a node that had a
+    changed size: such sizes often follow the changed ones with rounding (an RNN
+    workspace sized for the batch), so they are made symbolic before they change.
+    """
+    changed = {p for p, (a, b) in enumerate(zip(old, new)) if a != b and a >= 2 and b >= 2}
+    if call is None or not changed:
+        return changed
+    touched = set()
+    for pos, (start, ndim, stride_start) in call.tensor_slots.items():
+        if any(p in changed for p in range(start, start + ndim)):
+            touched.add(call.input_owner[pos])
+    for pos, (start, ndim, stride_start) in call.tensor_slots.items():
+        if call.input_owner[pos] in touched and call.input_kinds[pos] == "saved":
+            for p in range(start, start + ndim):
+                if new[p] >= 2:
+                    changed.add(p)
+    return changed
 
 
 def baked_positions(call: BackwardCall) -> set[int]:
@@ -115,10 +132,15 @@ class SymbolicSizes:
 class Guard:
     """The compiled condition on ``sizes`` under which a graph is reused."""
 
-    def __init__(self, check, text: list[str], positions: list[int]):
+    def __init__(self, check, text: list[str], positions: list[int], explain=None):
         self.check = check
         self.text = text
-        self.positions = positions  # the free symbols' positions: the graph's size inputs
+        self.positions = positions  # the free symbols' positions
+        self._explain = explain
+
+    def failing(self, sizes) -> str:
+        """The first condition that ``sizes`` break, with the values (for logs)."""
+        return self._explain(sizes) if self._explain is not None else "sizes differ"
 
     def __call__(self, sizes) -> bool:
         return self.check(sizes)
@@ -183,7 +205,18 @@ class Guard:
         namespace = {"getter": getter, "expected": expected}
         exec(compile(src, "<gradfx guard>", "exec"), namespace)
         text = _readable(text, names)
-        return Guard(namespace["check"], text, [home[s] for s in sorted(free, key=lambda s: home[s])])
+
+        def explain(sizes):
+            for p in static:
+                if sizes[p] != symbolic.sizes[p]:
+                    return f"static sizes[{p}] == {symbolic.sizes[p]} (got {sizes[p]})"
+            env_vals = {names[s]: sizes[home[s]] for s in free}
+            for cond in conds:
+                if not eval(cond, {"sizes": sizes}, dict(env_vals)):
+                    return f"{cond} with {env_vals}"
+            return "none"
+        return Guard(namespace["check"], text, [home[s] for s in sorted(free, key=lambda s: home[s])],
+                     explain)
 
 
 def _finite(bound) -> bool:

@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 from torch._prims_common import make_contiguous_strides_for
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from . import hook_ops, runtime_ops
 from .ready_queue import ReadyQueue
@@ -48,6 +48,13 @@ class Trace:
     opaque: list  # labels of nodes that run opaquely
     node_labels: dict  # fx node name -> autograd node label
     seconds: float
+
+
+# Nodes whose fake-tensor kernels guard on sizes only to pick an output memory
+# format heuristically (convolution picks a backend by batch size).  The graph
+# replays the real op, which picks its own layout, so those guards are not
+# recorded: they would only cause recaptures.
+LAYOUT_ONLY_GUARDS = frozenset({"ConvolutionBackward0"})
 
 
 class _SymbolicSaved:
@@ -224,7 +231,11 @@ class _Tracer:
             if self.symbolic is not None:
                 out = apply_rule(node, grads, _SymbolicSaved(node, i, self))
             if out is None:
-                out = node(*grads)
+                if self.symbolic is not None and type(node).__name__ in LAYOUT_ONLY_GUARDS:
+                    with _suppress_guards(self.shape_env):
+                        out = node(*grads)
+                else:
+                    out = node(*grads)
         except Exception as err:  # cannot run on fakes: undo and go opaque
             for n in reversed(list(graph.nodes)):
                 if n is before:

@@ -1,0 +1,117 @@
+"""Symbolic sizes, guards and recapture: one graph for every batch size."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradfx
+from helpers import assert_same, grads_of
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    gradfx.reset()
+    yield
+
+
+def mlp():
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16)) for _ in range(3)])
+
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+class LSTMHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 16, 2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def transformer():
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2,
+                                 enable_nested_tensor=False)
+
+
+BATCHES = [2, 3, 4, 8, 16, 5]
+MODELS = {
+    "mlp": (mlp, lambda b: (b, 16)),
+    "cnn": (cnn, lambda b: (b, 3, 12, 12)),
+    "lstm": (LSTMHead, lambda b: (b, 5, 8)),
+    "transformer": (transformer, lambda b: (b, 10, 32)),
+}
+
+
+def _run(make, shapes, dynamic):
+    torch.manual_seed(0)
+    eager = make()
+    gfx = copy.deepcopy(eager)
+    for shape in shapes:
+        x = torch.randn(*shape)
+        eager.zero_grad()
+        gfx.zero_grad()
+        eager(x).sum().backward()
+        with gradfx.compiled_autograd(dynamic=dynamic) as s:
+            gfx(x).sum().backward()
+        assert s.stats["fallbacks"] == 0
+        assert_same(grads_of(eager.parameters()), grads_of(gfx.parameters()))
+    return gradfx.stats()["captures"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("dynamic, most", [("auto", 2), (True, 1)])
+def test_batch_sizes(name, dynamic, most):
+    make, shape = MODELS[name]
+    captures = _run(make, [shape(b) for b in BATCHES], dynamic)
+    assert captures <= most if dynamic == "auto" else captures == most
+
+
+def test_static_mode_captures_every_size():
+    make, shape = MODELS["mlp"]
+    assert _run(make, [shape(b) for b in [2, 3, 2, 4]], False) == 3
+
+
+def test_transformer_sequence_lengths_one_graph():
+    assert _run(transformer, [(8, n, 32) for n in [16, 32, 24, 40]], True) == 1
+
+
+def test_guard_strings_and_recapture_reason(caplog):
+    torch.manual_seed(0)
+    model = mlp()
+    with caplog.at_level(logging.INFO, logger="gradfx"):
+        with gradfx.compiled_autograd() as s:
+            for b in (4, 6, 7):
+                model(torch.randn(b, 16)).sum().backward()
+    assert s.stats["captures"] == 2 and s.stats["recaptures"] == 1 and s.stats["cache_hits"] == 1
+    static, dynamic = s.graphs
+    assert static.guards[-1].endswith("sizes as captured")
+    assert "s0 >= 2" in dynamic.guards
+    assert any(g.startswith("sizes[") and g.endswith("== s0") for g in dynamic.guards)
+    assert any("recapture" in r.message and "changed 4 -> 6" in r.message for r in caplog.records)
+
+
+def test_guard_failure_recaptures():
+    # A dynamic graph's guard keeps sizes >= 2: a batch of 1 is a new capture.
+    torch.manual_seed(0)
+    model = mlp()
+    with gradfx.compiled_autograd(dynamic=True) as s:
+        for b in (4, 6, 1, 3):
+            model(torch.randn(b, 16)).sum().backward()
+    assert s.stats["captures"] == 2 and s.stats["recaptures"] == 1
+
+
+def test_structure_miss_is_explained(caplog):
+    x = torch.randn(3, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="gradfx"):
+        with gradfx.compiled_autograd():
+            x.pow(2.0).sum().backward()
+            x.pow(3.0).sum().backward()
+    assert any("new structure" in r.message and "node" in r.message for r in caplog.records)
