@@ -52,6 +52,7 @@ def log_structure_miss(key: tuple) -> None:
     previous, _last_key[0] = _last_key[0], key
     if previous is None or not log.isEnabledFor(logging.INFO):
         return
+    previous, key = previous.items, key.items
     node = None
     for k, (a, b) in enumerate(zip(previous, key)):
         if isinstance(b, _NodeMark):

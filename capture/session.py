@@ -19,10 +19,11 @@ import torch
 import torch.fx as fx
 
 from .. import backends, reorder
-from . import hook_ops, routing
+from . import distributed, fast_walk, hook_ops, hook_registry, routing
 from .cache import cache
 from .captured_graph import CapturedGraph
 from .errors import FallbackWarning, Unsupported, _Fallback
+from .saved_tensors import ForeignHooks
 from . import explain
 from .shapes import Guard, SymbolicSizes, baked_positions, changed_positions, dynamic_candidates
 from .tracer import trace_backward
@@ -46,6 +47,7 @@ def stats() -> dict:
 def reset() -> None:
     """Clear every cache and counter (registered backends stay)."""
     cache.clear()
+    fast_walk.walkers.clear()
     for k in _global_stats:
         _global_stats[k] = 0
 
@@ -122,11 +124,13 @@ class Session:
                     raise _Fallback(f"a tensor subclass ({type(t).__name__})")
             if any(g is None for g in grad_tensors):
                 raise _Fallback("a root without a gradient")  # eager raises the error
-            call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad)
-            structure = (call.key, self._config_key)
+            call, structure = self._fast_walk(tensors, grad_tensors, inputs)
+            if call is None:
+                call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad)
+                structure = (call.key, self._config_key)
             entry = cache.lookup(structure, call.sizes)
             if entry is None:
-                entry = self._capture(call, structure)
+                entry = self._capture(call, structure, tensors)
                 self._count("captures")
             else:
                 self._count("cache_hits")
@@ -139,6 +143,20 @@ class Session:
             return results
         return ()
 
+    def _fast_walk(self, tensors, grads, inputs):
+        """The generated walker of a known structure, if one accepts this graph."""
+        if inputs or len(tensors) != 1 or hook_registry.active() or distributed.initialized():
+            return None, None
+        fn = tensors[0].grad_fn
+        for walker in fast_walk.walkers.candidates(type(fn), self._config_key):
+            try:
+                found = walker(tensors, grads)
+            except ForeignHooks:  # saved tensors now under the user's hooks
+                return None, None
+            if found is not None:
+                return fast_walk.instantiate(walker.template, *found), walker.structure
+        return None, None
+
     def _fallback(self, engine, args, reason: str):
         if self.strict:
             raise Unsupported(reason)
@@ -149,7 +167,7 @@ class Session:
         self._count("fallbacks")
         return engine.run_backward(*args)
 
-    def _capture(self, call: BackwardCall, structure) -> CompiledBackward:
+    def _capture(self, call: BackwardCall, structure, tensors) -> CompiledBackward:
         recapture = cache.known(structure)
         if recapture:
             self._count("recaptures")
@@ -181,7 +199,17 @@ class Session:
         if symbolic is not None:
             cache.dynamic_positions[structure] = set(symbolic.positions)
         cache.put(structure, call.sizes, entry, dynamic=symbolic is not None)
+        self._add_fast_walker(call, structure, tensors)
         return entry
+
+    def _add_fast_walker(self, call, structure, tensors) -> None:
+        try:
+            walker = fast_walk.generate(call, tensors, structure)
+        except Exception:  # a walker is an optimization; the generic walk always works
+            log.debug("gradfx: no fast walker", exc_info=True)
+            return
+        if walker is not None:
+            fast_walk.walkers.add(type(call.nodes[0]), self._config_key, walker)
 
     def _dynamic_positions(self, call: BackwardCall, structure) -> set:
         if self.dynamic is False:

@@ -45,6 +45,23 @@ _type_info: dict[type, TypeInfo] = {}
 _SIZE_WORDS = ("sizes", "strides", "numel", "argsize", "split_size")
 
 
+class StructureKey:
+    """A structure key with its hash computed once (the key is a long nested tuple)."""
+
+    __slots__ = ("items", "_hash")
+
+    def __init__(self, items: tuple):
+        self.items = items
+        self._hash = hash(items)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, StructureKey) and self._hash == other._hash
+                                 and self.items == other.items)
+
+
 class _NodeMark(int):
     """Marks where a node's part of the cache key starts (for explaining misses)."""
 
@@ -413,7 +430,8 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
 
     return BackwardCall(nodes, kinds, edges, seq, deps, roots, outputs, accumulate,
                         needed, captures, owned, run_inputs, input_kinds, input_owner,
-                        node_input, hooks, tuple(key), sizes, tensor_slots, meta_slots, value_slots)
+                        node_input, hooks, StructureKey(tuple(key)), sizes, tensor_slots, meta_slots,
+                        value_slots)
 
 
 def _exec_info(edges, outputs, accumulate):

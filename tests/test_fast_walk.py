@@ -1,0 +1,91 @@
+"""The generated cache-hit walker returns exactly what the generic walk returns."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradfx
+from gradfx.capture import fast_walk
+from gradfx.capture.walk import walk_backward
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    gradfx.reset()
+    yield
+
+
+MODELS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 2)), (4, 8)),
+    "shared": (lambda: nn.Sequential(*[nn.Linear(4, 4)] * 3), (2, 4)),
+    "cnn": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten()), (2, 3, 6, 6)),
+    "transformer": (lambda: nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), (2, 5, 16)),
+}
+
+
+def _walker():
+    (found,) = [w for ws in fast_walk.walkers._by_root.values() for w in ws][:1]
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_walker_equals_generic_walk(name):
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    with gradfx.compiled_autograd():
+        model(torch.randn(*shape)).sum().backward()
+    walker = _walker()
+    loss = model(torch.randn(*shape)).sum()
+    nodes, owned, inputs, sizes, seq = walker((loss,), (torch.ones(()),))
+    generic = walk_backward((loss,), (torch.ones(()),), (), True)  # adopts what the walker took
+    assert (generic.key, walker.structure[1]) == walker.structure
+    assert generic.sizes == sizes
+    assert len(generic.inputs) == len(inputs)
+    assert all(a is b for a, b in zip(generic.inputs[1:], inputs[1:]))
+    assert [n is m for n, m in zip(generic.nodes, nodes)] == [True] * len(nodes)
+    assert generic.seq == seq
+
+
+def test_walker_rejects_other_structures():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    with gradfx.compiled_autograd():
+        b(a(torch.randn(2, 4))).sum().backward()
+    walker = _walker()
+    x = torch.randn(2, 4)
+    for loss in [a(a(x)).sum(),                      # the same parameter twice: shared node
+                 b(a(x)).relu().sum(),              # another node type
+                 b(a(x.t().contiguous().t())).sum(),  # input stays, but a saved tensor is non-contiguous
+                 b(a(torch.randn(3, 4))).sum()]:    # other sizes: accepted, sizes differ
+        found = walker((loss,), (torch.ones(()),))
+        if found is not None:
+            assert found[3] != walk_backward((b(a(x)).sum(),), (torch.ones(()),), (), True).sizes
+
+
+def test_hits_use_the_walker_and_stay_bitwise():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    reference = [p.detach().clone() for p in model.parameters()]
+    ref_model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    with torch.no_grad():
+        for p, r in zip(ref_model.parameters(), reference):
+            p.copy_(r)
+    calls = []
+    original = fast_walk.instantiate
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+    fast_walk.instantiate = counting
+    try:
+        for _ in range(3):
+            x = torch.randn(5, 8)
+            ref_model(x).sum().backward()
+            with gradfx.compiled_autograd():
+                model(x).sum().backward()
+    finally:
+        fast_walk.instantiate = original
+    assert len(calls) == 2
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p.grad, q.grad)
