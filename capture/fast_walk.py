@@ -15,11 +15,12 @@ prediction while collecting what the graph needs:
 Any difference returns None and the generic walk runs instead, so a generated
 walker can only be faster, never different: for a graph it accepts, it returns
 exactly what the generic walk would.  Graphs with hooks, ``inputs=``, several
-roots or distributed training always take the generic walk.
+roots or distributed training take the generic walk.
 """
 
 from __future__ import annotations
 
+from . import hook_registry
 from .saved_tensors import FREED_MESSAGE, SavedTensors, take_saved
 from .walk import ACCUMULATE, FUNCTION, BackwardCall, _flatten_sizes, _value_key, function_materializes, \
     type_info
@@ -130,6 +131,7 @@ def generate(call: BackwardCall, tensors, structure):
     node_list = ", ".join(f"n{i}" for i in range(n))
     src.emit(f"nodes = [{node_list}]")
     src.bail_unless(f"len(set(map(id, nodes))) == {n}")  # no predicted-new node was an old one
+    src.bail_unless("not hooks_active() or hooks_none_on(nodes)")
 
     # Sequence-number order (ties keep discovery order, as the stable sort does).
     seq = [nd._sequence_nr() for nd in nodes]
@@ -229,7 +231,8 @@ def generate(call: BackwardCall, tensors, structure):
     code = "def fast_walk(tensors, grads):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.consts, take_saved=take_saved, flatten=_flatten_sizes, value_key=_value_key,
                      materializes=function_materializes, is_traceable=_is_traceable,
-                     SavedTensors=SavedTensors, register=_register)
+                     SavedTensors=SavedTensors, register=_register,
+                     hooks_active=hook_registry.active, hooks_none_on=hook_registry.none_on)
     exec(compile(code, f"<gradfx fast walk {len(nodes)} nodes>", "exec"), namespace)
     walker = namespace["fast_walk"]
     walker.source = code

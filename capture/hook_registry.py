@@ -74,6 +74,12 @@ def _entry(node) -> NodeHooks:
     return entry
 
 
+def _drop_if_dead(key: int) -> None:
+    entry = _by_node.get(key)
+    if entry is not None and entry.prune():
+        del _by_node[key]
+
+
 _orig_register_hook = torch.Tensor.register_hook
 _orig_retain_grad = torch.Tensor.retain_grad
 _orig_node_register = _HookMixin._register_hook
@@ -86,7 +92,9 @@ def _register_hook(self, hook):
         # Give the node a dict we can weakly reference; torch registers it as is.
         self._backward_hooks = _HookDict()
         self.grad_fn._register_hook_dict(self)
-        _entry(self.grad_fn).tensor_pre.append((self.output_nr, weakref.ref(self._backward_hooks)))
+        key = id(self.grad_fn)
+        _entry(self.grad_fn).tensor_pre.append(
+            (self.output_nr, weakref.ref(self._backward_hooks, lambda _: _drop_if_dead(key))))
     return _orig_register_hook(self, hook)
 
 
@@ -100,13 +108,13 @@ def _node_register(backward_hooks, hook):
     if backward_hooks is None:
         backward_hooks = _HookDict()
         target = _receiver(sys._getframe(1))
-        ref = weakref.ref(backward_hooks)
         if target is None:
             key = id(backward_hooks)
             _unattributed[key] = weakref.ref(backward_hooks, lambda _: _unattributed.pop(key, None))
         else:
             node, kind = target
-            getattr(_entry(node), kind).append(ref)
+            key = id(node)
+            getattr(_entry(node), kind).append(weakref.ref(backward_hooks, lambda _: _drop_if_dead(key)))
     return _orig_node_register(backward_hooks, hook)
 
 
@@ -167,6 +175,22 @@ def install() -> None:
 def active() -> bool:
     """Cheap test: could any node of a graph have hooks recorded here?"""
     return bool(_by_node) or bool(_unattributed) or bool(_retained)
+
+
+def none_on(nodes) -> bool:
+    """True if no recorded hook or retain_grad() applies to any of ``nodes``."""
+    if unattributed():
+        return False
+    if _by_node:
+        for node in nodes:
+            if id(node) in _by_node and node_hooks(node) is not None:
+                return False
+    if _retained:
+        ids = set(map(id, nodes))
+        for tensor in list(_retained):
+            if tensor.retains_grad and id(tensor.grad_fn) in ids:
+                return False
+    return True
 
 
 def unattributed() -> bool:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .. import backends, reorder
-from . import distributed, fast_walk, hook_ops, hook_registry, routing
+from . import distributed, fast_walk, hook_ops, routing
 from .cache import cache
 from .captured_graph import CapturedGraph
 from .errors import FallbackWarning, Unsupported, _Fallback
@@ -145,7 +145,7 @@ class Session:
 
     def _fast_walk(self, tensors, grads, inputs):
         """The generated walker of a known structure, if one accepts this graph."""
-        if inputs or len(tensors) != 1 or hook_registry.active() or distributed.initialized():
+        if inputs or len(tensors) != 1 or distributed.initialized():
             return None, None
         fn = tensors[0].grad_fn
         for walker in fast_walk.walkers.candidates(type(fn), self._config_key):
