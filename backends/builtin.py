@@ -1,12 +1,18 @@
-"""The built-in backends: eager, aot_eager, inductor."""
+"""The built-in backends: eager, aot_eager, inductor, debug."""
 
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
 from . import register_backend
+from .split import runner, split
+
+log = logging.getLogger("gradfx")
 
 
 @register_backend("eager")
@@ -28,13 +34,82 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     return run
 
 
-@register_backend("aot_eager")
-def aot_eager(gm: fx.GraphModule, example_inputs: list):
-    """Through torch.compile's aot_eager: dynamo, AOTAutograd, no codegen."""
-    return torch.compile(gm, backend="aot_eager", dynamic=False)
+def _functionalized(pure: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+    return make_fx(torch.func.functionalize(pure, remove="mutations_and_views"),
+                   decomposition_table=select_decomp_table(), tracing_mode="fake")(*example_inputs)
 
 
-@register_backend("inductor")
-def inductor(gm: fx.GraphModule, example_inputs: list):
-    """Through torch.compile with inductor."""
-    return torch.compile(gm, backend="inductor", dynamic=False)
+def _split_backend(name: str, compile_pure):
+    def backend(gm: fx.GraphModule, example_inputs: list):
+        parts = split(gm)
+        if parts is None:
+            log.info("gradfx: backend %s runs this graph on the eager backend (it calls hooks or "
+                     "opaque nodes, which stay in Python)", name)
+            return eager(gm, example_inputs)
+        return runner(parts, compile_pure, example_inputs, eager(gm, example_inputs)._boxed)
+    backend.__name__ = name
+    return backend
+
+
+def _inductor_compile(pure: fx.GraphModule, example_inputs: list):
+    from torch._inductor.compile_fx import compile_fx_inner
+    start = time.perf_counter()
+    compiled = compile_fx_inner(_functionalized(pure, example_inputs), example_inputs)
+    log.info("gradfx: inductor compiled a backward of %d fx nodes in %.1f s",
+             len(pure.graph.nodes), time.perf_counter() - start)
+    return compiled
+
+
+def _aot_eager_compile(pure: fx.GraphModule, example_inputs: list):
+    functional = _functionalized(pure, example_inputs)
+    functional.graph.set_codegen(_BoxedCodeGen())
+    functional.recompile()
+    return functional.forward
+
+
+register_backend("inductor", _split_backend("inductor", _inductor_compile))
+register_backend("aot_eager", _split_backend("aot_eager", _aot_eager_compile))
+
+
+@register_backend("debug")
+def debug(gm: fx.GraphModule, example_inputs: list):
+    """Run node by node, checking every tensor against the traced metadata.
+
+    Raises naming the autograd node (``MmBackward0 #12``) that produced a tensor
+    whose shape, dtype or device differs from what tracing recorded, or that
+    holds NaN or infinity.  A stride different from the recorded one is logged
+    (kernels may choose another memory format at run time).
+    """
+    interpreter = _CheckingInterpreter(gm)
+
+    def run(*args):
+        return interpreter.run(*args)
+    return run
+
+
+class _CheckingInterpreter(fx.Interpreter):
+    def run_node(self, node: fx.Node):
+        result = super().run_node(node)
+        expected = node.meta.get("val")
+        if isinstance(result, torch.Tensor) and isinstance(expected, torch.Tensor) and node.op != "placeholder":
+            _check_tensor(node, result, expected)
+        return result
+
+
+def _check_tensor(node: fx.Node, got: torch.Tensor, expected: torch.Tensor) -> None:
+    where = node.meta.get("gradfx_node", "the graph")
+    static_shape = all(isinstance(s, int) for s in expected.shape)
+    if (static_shape and tuple(got.shape) != tuple(expected.shape)) or got.dim() != expected.dim():
+        raise RuntimeError(f"gradfx debug backend: {node.name} (from {where}) has shape {tuple(got.shape)}, "
+                           f"traced as {tuple(expected.shape)}")
+    if got.dtype != expected.dtype or got.device.type != expected.device.type:
+        raise RuntimeError(f"gradfx debug backend: {node.name} (from {where}) is {got.dtype} on {got.device}, "
+                           f"traced as {expected.dtype} on {expected.device}")
+    if static_shape and all(isinstance(s, int) for s in expected.stride()) and got.stride() != expected.stride():
+        log.info("gradfx debug backend: %s (from %s) has strides %s, traced as %s", node.name, where,
+                 got.stride(), expected.stride())
+    if (got.is_floating_point() or got.is_complex()) and not torch.isfinite(got).all():
+        kind = "nan" if torch.isnan(got).any() else "inf"
+        raise RuntimeError(f"gradfx debug backend: Function '{where}' returned {kind} values in {node.name}")

@@ -57,5 +57,6 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
     except _Fallback as fb:
         raise Unsupported(fb.reason) from None
     guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
-    captured, _ = session.compile_graph(trace, call, compile=False, guards=guard.text)
+    captured, _ = session.compile_graph(trace, call, compile=False, guards=guard.text,
+                                        size_positions=symbolic.positions if symbolic is not None else ())
     return captured

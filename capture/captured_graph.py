@@ -58,6 +58,8 @@ class CapturedGraph:
     def _spec(x):
         if isinstance(x, torch.Tensor):
             return ("tensor", tuple(x.shape), x.dtype, x.requires_grad and x.is_leaf)
+        if isinstance(x, int):
+            return ("int", x)
         return ("object", type(x).__name__)
 
     @property
@@ -169,6 +171,8 @@ class CapturedGraph:
                 maker = "torch.randn" if dtype.is_floating_point else "torch.zeros"
                 extra = ", requires_grad=True" if leaf else ""
                 lines.append(f"        {maker}({list(shape)}, dtype={dtype}{extra}),")
+            elif spec[0] == "int":
+                lines.append(f"        {spec[1]},  # a size")
             else:
                 lines.append(f"        None,  # {spec[1]} (a live autograd object; not reproducible)")
         lines += ["    ]", "", "", "if __name__ == '__main__':",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import logging
 
 from .walk import BackwardCall, _NodeMark
@@ -63,3 +64,23 @@ def log_structure_miss(key: tuple) -> None:
             return
     if len(previous) != len(key):
         log.info("gradfx: new structure: %d -> %d key items", len(previous), len(key))
+
+
+def annotate_error(err: BaseException, graph_module) -> None:
+    """Add the autograd node of the failing graph op to ``err`` (its type is kept)."""
+    tb = err.__traceback__
+    line = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.startswith("<eval_with_key>"):
+            line = linecache.getline(code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if not line or " = " not in line:
+        return
+    name = line.strip().split(" = ")[0].split(":")[0].strip()
+    for node in graph_module.graph.nodes:
+        if node.name == name:
+            label = node.meta.get("gradfx_node")
+            if label:
+                err.add_note(f"gradfx: raised while running the backward of {label} (graph node {name})")
+            return

@@ -191,7 +191,8 @@ class Session:
         if trace is None:
             trace = self._trace(call, None)
         guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
-        captured, compiled = self.compile_graph(trace, call, guards=guard.text)
+        captured, compiled = self.compile_graph(
+            trace, call, guards=guard.text, size_positions=symbolic.positions if symbolic is not None else ())
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
         self.graphs.append(captured)
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
@@ -235,14 +236,15 @@ class Session:
             log.debug("gradfx: trace failed", exc_info=True)
             raise _Fallback(f"tracing failed ({type(err).__name__}: {err})") from err
 
-    def compile_graph(self, trace, call: BackwardCall, compile: bool = True, guards=()):
+    def compile_graph(self, trace, call: BackwardCall, compile: bool = True, guards=(), size_positions=()):
         start = time.perf_counter()
         records = reorder.run_pipeline(trace.graph, self.passes)
+        examples = [call.sizes[p] for p in size_positions] + list(call.inputs)
         gm = fx.GraphModule(torch.nn.Module(), trace.graph)
         captured = CapturedGraph(gm, passes=records, opaque_nodes=trace.opaque, guards=guards,
                                  autograd_nodes=len(call.nodes),
-                                 capture_seconds=trace.seconds, example_inputs=call.inputs)
-        compiled = self._compile(gm, list(call.inputs)) if compile else None
+                                 capture_seconds=trace.seconds, example_inputs=examples)
+        compiled = self._compile(gm, examples) if compile else None
         log.info("gradfx: captured %d autograd nodes into %d fx nodes (%d opaque); trace %.1f ms, "
                  "passes+compile %.1f ms with backend %s", len(call.nodes), len(gm.graph.nodes),
                  len(trace.opaque), trace.seconds * 1e3, (time.perf_counter() - start) * 1e3,
@@ -284,12 +286,16 @@ def _run(entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
             if saved is not None and i not in late:
                 saved.release()
     task = hook_ops.graph_task(call.executed_ids, keep_graph) if entry.runs_python else contextlib.nullcontext()
-    with torch.no_grad(), task, routing.running_backward():
-        if entry.boxed is not None:
-            out = entry.boxed(inputs)
-        else:
-            out = entry.fn(*inputs)
-            inputs.clear()
+    try:
+        with torch.no_grad(), task, routing.running_backward():
+            if entry.boxed is not None:
+                out = entry.boxed(inputs)
+            else:
+                out = entry.fn(*inputs)
+                inputs.clear()
+    except Exception as err:
+        explain.annotate_error(err, entry.captured.graph_module)
+        raise
     del inputs
     if not keep_graph:
         for i in entry.release_after:

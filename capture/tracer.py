@@ -362,46 +362,59 @@ def _run_engine(t: _Tracer, grads):
 
     leaf_grads = {}  # node index -> fx node of the gradient it accumulated
     hooks = call.hooks
+    graph = t.tracer.graph
     while len(queue):
+        marker = graph._root.prev  # label what this node's step records
         i = queue.pop()
-        inputs = buffers.pop(i)
-        spec = hooks.get(i)
-        if spec is not None:
-            inputs = t.tensor_pre_hooks(i, spec, inputs)
-        if i in call.captures:
-            for nr, pos in call.captures[i]:
-                captured[pos] = inputs[nr]
-        if needed is not None and not needed[i]:
-            continue
-        if spec is not None and spec.pre:
-            inputs = t.pre_hooks(i, spec, inputs)
-        kind = kinds[i]
-        node = nodes[i]
-        if kind is ACCUMULATE:
-            if inputs[0] is not None and node.variable.requires_grad:
-                t.accumulate(i, inputs[0], call.node_input[i])
-                if spec is not None and spec.post_accumulate:
-                    t.post_accumulate_hooks(i, spec, call.node_input[i])
-            if spec is not None and spec.post:
-                t.post_hooks(i, spec, [], inputs)
-            continue
-        outputs = None
-        if kind is TRACED:
-            outputs = t.run_traced(i, node, inputs)
-        elif kind is FUNCTION:
-            outputs = t.run_function(i, node, inputs)
-        if outputs is None and kind is not OPAQUE:
-            kinds[i] = OPAQUE
-        if outputs is None:
-            outputs = t.run_opaque(i, node, inputs, call.node_input[i])
-        else:
-            outputs = _validate(t, node, outputs, edges[i])
-        if spec is not None and spec.post:
-            outputs = t.post_hooks(i, spec, outputs, inputs)
-        for g, e in zip(outputs, edges[i]):
-            if e is not None:
-                deliver(e[0], e[1], g)
+        _run_one(t, i, buffers, hooks, needed, kinds, nodes, edges, captured, deliver)
+        label = call.node_label(i)
+        node = marker.next
+        while node is not graph._root:
+            node.meta.setdefault("gradfx_node", label)
+            node = node.next
     return captured
+
+
+def _run_one(t, i, buffers, hooks, needed, kinds, nodes, edges, captured, deliver):
+    """One task of the ready queue: hooks, the node, post-hooks, hand-off of outputs."""
+    call = t.call
+    inputs = buffers.pop(i)
+    spec = hooks.get(i)
+    if spec is not None:
+        inputs = t.tensor_pre_hooks(i, spec, inputs)
+    if i in call.captures:
+        for nr, pos in call.captures[i]:
+            captured[pos] = inputs[nr]
+    if needed is not None and not needed[i]:
+        return
+    if spec is not None and spec.pre:
+        inputs = t.pre_hooks(i, spec, inputs)
+    kind = kinds[i]
+    node = nodes[i]
+    if kind is ACCUMULATE:
+        if inputs[0] is not None and node.variable.requires_grad:
+            t.accumulate(i, inputs[0], call.node_input[i])
+            if spec is not None and spec.post_accumulate:
+                t.post_accumulate_hooks(i, spec, call.node_input[i])
+        if spec is not None and spec.post:
+            t.post_hooks(i, spec, [], inputs)
+        return
+    outputs = None
+    if kind is TRACED:
+        outputs = t.run_traced(i, node, inputs)
+    elif kind is FUNCTION:
+        outputs = t.run_function(i, node, inputs)
+    if outputs is None and kind is not OPAQUE:
+        kinds[i] = OPAQUE
+    if outputs is None:
+        outputs = t.run_opaque(i, node, inputs, call.node_input[i])
+    else:
+        outputs = _validate(t, node, outputs, edges[i])
+    if spec is not None and spec.post:
+        outputs = t.post_hooks(i, spec, outputs, inputs)
+    for g, e in zip(outputs, edges[i]):
+        if e is not None:
+            deliver(e[0], e[1], g)
 
 
 def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) -> Trace:
