@@ -88,7 +88,8 @@ class Session:
         self.graphs: list[CapturedGraph] = []
         self.stats = dict.fromkeys(COUNTERS, 0)
         self._warned: set[str] = set()
-        self._config_key = (self.backend_name if isinstance(backend, str) else backend,
+        # The backend function, not its name: re-registering a name must recompile.
+        self._config_key = (self.backend_fn,
                             tuple(name if isinstance(name, str) else fn for name, fn in
                                   ((n, f) for n, f in self.passes)), dynamic)
 
@@ -190,7 +191,8 @@ class Session:
                 call.kinds = list(call.walk_kinds)
         if trace is None:
             trace = self._trace(call, None)
-        guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
+        describe = lambda p: explain.describe_position(call, p)  # noqa: E731
+        guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
         captured, compiled = self.compile_graph(
             trace, call, guards=guard.text, size_positions=symbolic.positions if symbolic is not None else ())
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)

@@ -125,8 +125,9 @@ class SymbolicSizes:
             return tuple(build(x) for x in lay)
         return build(layout)
 
-    def guard(self) -> "Guard":
-        return Guard.build(self)
+    def guard(self, describe=None) -> "Guard":
+        """The guard; ``describe(position)`` names where a size comes from."""
+        return Guard.build(self, describe)
 
 
 class Guard:
@@ -151,7 +152,7 @@ class Guard:
         return Guard(lambda s: tuple(s) == expected, [f"all {len(expected)} sizes as captured"], [])
 
     @staticmethod
-    def build(symbolic: SymbolicSizes) -> "Guard":
+    def build(symbolic: SymbolicSizes, describe=None) -> "Guard":
         env = symbolic.shape_env
         dynamic = set(symbolic.positions)
         static = [p for p in range(len(symbolic.sizes)) if p not in dynamic]
@@ -165,7 +166,8 @@ class Guard:
             e = exprs[p]
             if isinstance(e, sympy.Symbol) and e not in home:
                 home[e] = p
-        names = {s: f"s{k}" for k, s in enumerate(sorted(free, key=lambda s: home[s]))}
+        # The ShapeEnv's own names, as print_readable() shows them in the graph.
+        names = {s: s.name for s in free}
         printer = PythonPrinter()
         lines, text = [], []
         for s in free:
@@ -185,8 +187,7 @@ class Guard:
                 continue
             code = printer.doprint(e.xreplace({s: sympy.Symbol(names[s]) for s in free}))
             conds.append(f"sizes[{p}] == {code}")
-            if not isinstance(e, sympy.Symbol) or True:
-                text.append(f"sizes[{p}] == {code}")
+            text.append(f"sizes[{p}] == {code}")
         for g in env.guards:
             e = env.simplify(g.expr)
             if e == sympy.true or (isinstance(e, sympy.Eq) and e.lhs in exprs.values()):
@@ -196,6 +197,9 @@ class Guard:
                 conds.append(code)
                 text.append(code)
         text.append(f"{len(static)} other sizes as captured")
+        if describe is not None:
+            for sym in sorted(free, key=lambda s: home[s]):
+                text.append(f"where {names[sym]} is sizes[{home[sym]}]: {describe(home[sym])}")
         getter = operator.itemgetter(*static) if static else (lambda s: ())
         expected = tuple(symbolic.sizes[p] for p in static)
         if len(static) == 1:
@@ -204,7 +208,7 @@ class Guard:
         src = f"def check(sizes):\n    if getter(sizes) != expected:\n        return False\n    {body}\n"
         namespace = {"getter": getter, "expected": expected}
         exec(compile(src, "<gradfx guard>", "exec"), namespace)
-        text = _readable(text, names)
+        text = list(dict.fromkeys(text))  # de-duplicated, in order
 
         def explain(sizes):
             for p in static:
@@ -221,13 +225,3 @@ class Guard:
 
 def _finite(bound) -> bool:
     return bound not in (sympy.oo, -sympy.oo, int_oo, -int_oo)
-
-
-def _readable(text, names):
-    # De-duplicate while keeping order.
-    seen, out = set(), []
-    for t in text:
-        if t not in seen:
-            seen.add(t)
-            out.append(t)
-    return out

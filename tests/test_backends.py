@@ -1,0 +1,123 @@
+"""Built-in and user backends: correct results, one compile per structure, failures handled."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradfx
+from helpers import compare_training
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    gradfx.reset()
+    yield
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def test_aot_eager_backend():
+    compare_training(mlp, lambda: (torch.randn(8, 16),), backend="aot_eager", exact=False)
+
+
+class Hooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x):
+        h = self.net[0](x)
+        h.register_hook(lambda g: g * 2)
+        return self.net[3](self.net[2](self.net[1](h)))
+
+
+def test_aot_eager_with_hooks_runs_eager_backend():
+    compare_training(Hooked, lambda: (torch.randn(8, 16),), backend="aot_eager", exact=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make, shape", [
+    (mlp, (8, 16)),
+    (lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 1,
+                                   enable_nested_tensor=False), (2, 5, 16)),
+])
+def test_inductor_backend(make, shape):
+    compare_training(make, lambda: (torch.randn(*shape),), backend="inductor", exact=False)
+
+
+@pytest.mark.slow
+def test_inductor_dynamic_shapes():
+    torch.manual_seed(0)
+    model = mlp()
+    for b in (4, 6, 7):
+        x = torch.randn(b, 16)
+        model.zero_grad()
+        model(x).sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        with gradfx.compiled_autograd(backend="inductor"):
+            model(x).sum().backward()
+        for p, e in zip(model.parameters(), expected):
+            torch.testing.assert_close(p.grad, e)
+    assert gradfx.stats()["captures"] == 2
+
+
+def test_debug_backend_matches_and_names_bad_values():
+    compare_training(mlp, lambda: (torch.randn(8, 16),), backend="debug")
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    x[0, 0] = math.inf
+    with gradfx.compiled_autograd(backend="debug"):
+        with pytest.raises(RuntimeError, match=r"debug backend: Function '.*Backward0 #\d+' returned (nan|inf)"):
+            lin(x).sum().backward()
+
+
+def test_user_backend_counts_one_compile_for_three_iterations():
+    calls = []
+
+    def counting(gm, example_inputs):
+        calls.append(len(gm.graph.nodes))
+        return gm
+    compare_training(mlp, lambda: (torch.randn(8, 16),), backend=counting)
+    assert len(calls) == 1
+
+
+def test_runtime_error_names_the_autograd_node_and_keeps_its_type():
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            raise ValueError("backward failed")
+
+    lin = nn.Linear(3, 3)
+    with gradfx.compiled_autograd():
+        with pytest.raises(ValueError) as err:
+            Boom.apply(lin(torch.randn(2, 3))).sum().backward()
+    assert any("BoomBackward" in note for note in getattr(err.value, "__notes__", []))
+    # Nothing was accumulated before the failing node: no .grad half-written.
+    assert lin.weight.grad is None and lin.bias.grad is None
+
+
+def test_entry_point_backends_are_listed(monkeypatch):
+    import importlib.metadata as md
+    from gradfx import backends
+
+    class EP:
+        name = "from_plugin"
+
+        def load(self):
+            return lambda gm, ex: gm
+    monkeypatch.setattr(md, "entry_points", lambda group=None: [EP()] if group == "gradfx.backends" else [])
+    monkeypatch.setattr(backends, "_entry_points_loaded", False)
+    assert "from_plugin" in gradfx.list_backends()
+    lin = nn.Linear(2, 2)
+    with gradfx.compiled_autograd(backend="from_plugin"):
+        lin(torch.randn(1, 2)).sum().backward()
+    assert lin.weight.grad is not None
