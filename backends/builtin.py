@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -9,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
+from ..reorder.memory import frees_inputs_early
 from . import register_backend
 from .split import runner, split
 
@@ -19,11 +21,13 @@ log = logging.getLogger("gradfx")
 def eager(gm: fx.GraphModule, example_inputs: list):
     """Run the graph as generated Python.
 
-    The module is regenerated with boxed calling (one list argument, cleared on
-    entry), so every input is freed at its last use inside the graph, as the eager
-    engine frees saved tensors node by node.
+    After the ``free_inputs_early`` pass the graph takes one list and frees each
+    input at its last use, as the eager engine frees saved tensors node by node;
+    without it, the inputs live until the graph returns.
     """
-    boxed = fx.GraphModule(gm, gm.graph)
+    if not frees_inputs_early(gm.graph):
+        return gm.forward
+    boxed = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     boxed.graph.set_codegen(_BoxedCodeGen())
     boxed.recompile()
     forward = boxed.forward

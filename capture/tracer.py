@@ -442,9 +442,27 @@ def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) ->
     for g in captured:
         out.append(None if g is None else t.proxy(g).node)
     t.tracer.graph.output(tuple(out))
+    _group_getitems(t.tracer.graph)
     _mark_steals(t.tracer.graph)
     _mark_required_outputs(t.tracer.graph)
     return Trace(t.tracer.graph, t.opaque, t.labels, time.perf_counter() - start)
+
+
+def _group_getitems(graph: fx.Graph) -> None:
+    """Unpack every multi-output op right after it runs.
+
+    Proxies unpack a tuple result lazily, where each item is first used; then the
+    tuple stays alive across other work and holds an extra reference to its
+    items, which would keep a gradient from being stolen by its accumulation (the
+    eager engine moves outputs out of the node's result at once).
+    """
+    for node in list(graph.nodes):
+        items = sorted((u for u in node.users if u.op == "call_function" and u.target is operator.getitem),
+                       key=lambda u: u.args[1])
+        anchor = node
+        for item in items:
+            anchor.append(item)
+            anchor = item
 
 
 def _mark_required_outputs(graph: fx.Graph) -> None:

@@ -15,6 +15,8 @@ from typing import Callable
 import torch.fx as fx
 
 from .dce import eliminate_dead_code
+from .memory import free_inputs_early
+from .schedule import early_side_effects
 from .strip_detach import strip_detach
 
 Pass = Callable[[fx.Graph], None]
@@ -32,8 +34,10 @@ def register_pass(name: str, fn: Pass | None = None):
 
 register_pass("strip_detach", strip_detach)
 register_pass("dce", eliminate_dead_code)
+register_pass("early_side_effects", early_side_effects)
+register_pass("free_inputs_early", free_inputs_early)
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("strip_detach", "dce")
+DEFAULT_PIPELINE: tuple[str, ...] = ("strip_detach", "dce", "early_side_effects", "free_inputs_early")
 
 
 def list_passes() -> list[str]:

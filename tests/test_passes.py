@@ -1,0 +1,162 @@
+"""Each pass on small hand-built graphs, and the pipeline end to end."""
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import gradfx
+from gradfx.capture import runtime_ops
+from gradfx.capture.hook_ops import call_tensor_hook
+from gradfx.reorder import resolve, run_pipeline
+from gradfx.reorder.dce import eliminate_dead_code
+from gradfx.reorder.memory import free_inputs_early, frees_inputs_early
+from gradfx.reorder.schedule import early_side_effects
+from gradfx.reorder.strip_detach import strip_detach
+from helpers import compare_training, run_both, snap
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    gradfx.reset()
+    yield
+
+
+def _check_invariants(before: fx.Graph, after: fx.Graph, inputs):
+    """Placeholders unchanged, no dangling users, same outputs, same side-effect order."""
+    after.lint()
+    assert [n.name for n in before.nodes if n.op == "placeholder"] == \
+        [n.name for n in after.nodes if n.op == "placeholder"]
+    for node in after.nodes:
+        for user in node.users:
+            assert user.graph is after
+    effects = lambda g: [n.name for n in g.nodes if n.op == "call_function" and  # noqa: E731
+                         n.target in runtime_ops.SIDE_EFFECTS]
+    assert effects(before) == effects(after)
+    a = fx.GraphModule(torch.nn.Module(), before)(*[i.clone() for i in inputs])
+    b = fx.GraphModule(torch.nn.Module(), after)(*[i.clone() for i in inputs])
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _graph(with_leaf=False):
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    leaf = g.placeholder("leaf") if with_leaf else None
+    d = g.call_function(aten.detach.default, (w,))
+    t = g.call_function(aten.t.default, (d,))
+    unused = g.call_function(aten.sum.default, (t,))  # noqa: F841
+    mm = g.call_function(aten.mm.default, (x, t))
+    if with_leaf:
+        g.call_function(runtime_ops.accumulate_grad, (leaf, mm, False))
+    g.output((mm,))
+    return g
+
+
+def _copy(g):
+    new = fx.Graph()
+    out = new.graph_copy(g, {})
+    new.output(out)
+    return new
+
+
+def test_strip_detach():
+    g = _graph()
+    before = _copy(g)
+    strip_detach(g)
+    assert not g.find_nodes(op="call_function", target=aten.detach.default)
+    _check_invariants(before, g, [torch.randn(2, 3), torch.randn(4, 3)])
+
+
+def test_dce_keeps_side_effects_removes_dead_views():
+    g = _graph(with_leaf=True)
+    before = _copy(g)
+    eliminate_dead_code(g)
+    assert not g.find_nodes(op="call_function", target=aten.sum.default)
+    assert g.find_nodes(op="call_function", target=runtime_ops.accumulate_grad)
+    leaf_value = torch.zeros(2, 4, requires_grad=True)
+    g.lint()
+    assert len(before.nodes) - len(g.nodes) == 1
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    with torch.no_grad():
+        gm(torch.randn(2, 3), torch.randn(4, 3), leaf_value)
+    assert leaf_value.grad is not None
+
+
+def test_early_side_effects_moves_accumulation_up_and_keeps_order():
+    g = fx.Graph()
+    grad, w, b_leaf, w_leaf = (g.placeholder(n) for n in ("grad", "w", "b_leaf", "w_leaf"))
+    gb = g.call_function(aten.sum.dim_IntList, (grad, [0]))
+    gw = g.call_function(aten.mm.default, (g.call_function(aten.t.default, (grad,)), w))
+    gx = g.call_function(aten.mm.default, (grad, w))
+    acc_b = g.call_function(runtime_ops.accumulate_grad, (b_leaf, gb, True))
+    acc_w = g.call_function(runtime_ops.accumulate_grad, (w_leaf, gw, True))
+    g.output((gx,))
+    early_side_effects(g)
+    order = list(g.nodes)
+    assert order.index(acc_b) < order.index(gw) and order.index(acc_w) < order.index(gx)
+    assert order.index(acc_b) < order.index(acc_w)
+
+
+def test_early_side_effects_does_not_pass_a_reader_of_a_hooked_tensor():
+    g = fx.Graph()
+    grad, hook = g.placeholder("grad"), g.placeholder("hook")
+    reader = g.call_function(aten.sum.default, (grad,))
+    call = g.call_function(call_tensor_hook, (hook, grad))
+    g.output((reader, call))
+    early_side_effects(g)
+    order = list(g.nodes)
+    assert order.index(reader) < order.index(call)  # the hook may change grad in place
+
+
+def test_free_inputs_early_marks_graph_for_boxed_calls():
+    g = _graph()
+    free_inputs_early(g)
+    assert frees_inputs_early(g)
+
+
+def test_pipeline_records_each_pass():
+    g = _graph()
+    records = run_pipeline(g, resolve(None))
+    assert [r.name for r in records] == gradfx.list_passes()
+    assert records[0].removed == 1 and records[1].removed == 1
+    assert "detach" not in records[0].code_after
+
+
+def test_unknown_pass_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="strip_detach"):
+        gradfx.compiled_autograd(passes=["no_such_pass"])
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 2))
+
+
+@pytest.mark.parametrize("passes", [[], ["dce"], ["early_side_effects"], None])
+def test_any_pipeline_gives_eager_gradients(passes):
+    compare_training(mlp, lambda: (torch.randn(4, 8),), passes=passes)
+
+
+def test_custom_pass_callable_runs():
+    seen = []
+    compare_training(mlp, lambda: (torch.randn(4, 8),), passes=[lambda graph: seen.append(len(graph.nodes))])
+    assert len(seen) == 1
+
+
+def test_post_accumulate_hook_sees_fresh_grad_before_the_rest_of_backward():
+    # The hook on the last layer's weight runs before the first layer's gradient exists.
+    def build(log):
+        model = mlp()
+        params = list(model.parameters())
+        params[-2].register_post_accumulate_grad_hook(
+            lambda p: log.append(("post_acc", snap(p.grad), params[0].grad is None)))
+
+        def step():
+            for p in params:
+                p.grad = None
+            model(torch.randn(4, 8)).sum().backward()
+        return params, step
+    log = run_both(build)
+    assert all(entry[2] for entry in log)
