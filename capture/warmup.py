@@ -14,10 +14,17 @@ import os
 def warm_up() -> None:
     if os.environ.get("GRADFX_NO_WARMUP"):
         return
+    import logging
+
     import torch
     from .api import capture
-    with torch.random.fork_rng():
-        lin = torch.nn.Linear(4, 4)
-        norm = torch.nn.LayerNorm(4)
-        x = torch.randn(2, 4)
-        capture(norm(torch.nn.functional.gelu(lin(x))).relu().mean())
+    logger = logging.getLogger("gradfx")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        with torch.random.fork_rng():
+            lin = torch.nn.Linear(4, 4)
+            norm = torch.nn.LayerNorm(4)
+            x = torch.randn(2, 4)
+            capture(norm(torch.nn.functional.gelu(lin(x))).relu().mean())
+    finally:
+        logger.disabled = disabled
