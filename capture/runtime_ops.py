@@ -20,6 +20,8 @@ def _dense(t: torch.Tensor) -> bool:
 def _obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
     # AccumulateGrad's gradient layout contract: strides of non-size-1 dims match
     # the parameter's (dense parameter) or the grad is contiguous (otherwise).
+    if grad.is_contiguous() and variable.is_contiguous():
+        return True  # same sizes, so the same strides
     if _dense(variable):
         vs = variable.stride()
         for size, stride, vstride in zip(grad.shape, grad.stride(), vs):
