@@ -81,3 +81,49 @@ def test_ddp_python_reducer_is_captured():
         assert results[rank]["stats"]["fallbacks"] == 0, results
         assert results[rank]["stats"]["captures"] == 1, results
     assert results[0]["grad0"] == results[1]["grad0"]
+
+
+def _fsdp_worker(rank, world, port, results):
+    import gradfx
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+            fully_shard(m[0], mesh=mesh)
+            fully_shard(m, mesh=mesh)
+            models.append(m)
+        eager_model, gfx_model = models
+        out = {"equal": True, "stats": None, "warned": []}
+        for it in range(3):
+            torch.manual_seed(100 * rank + it)
+            x = torch.randn(3, 4)
+            eager_model.zero_grad()
+            eager_model(x).sum().backward()
+            gfx_model.zero_grad()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with gradfx.compiled_autograd():
+                    gfx_model(x).sum().backward()
+            out["warned"] += [str(w.message)[:200] for w in caught if issubclass(w.category, gradfx.FallbackWarning)]
+            for a, b in zip(eager_model.parameters(), gfx_model.parameters()):
+                out["equal"] &= torch.equal(a.grad.full_tensor(), b.grad.full_tensor())
+        out["stats"] = gradfx.stats()
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_gradients_equal_eager():
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_fsdp_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert results[rank]["equal"], dict(results)
+        assert results[rank]["stats"]["fallbacks"] == 0, dict(results)
+        assert results[rank]["stats"]["captures"] >= 1, dict(results)
