@@ -84,7 +84,17 @@ def call_backward(ctx, metas, must_be_defined, *grads):
         metadata = ctx._input_metadata
         grads = tuple(torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
                       for g, m in zip(grads, metadata))
-    result = ctx.apply(*grads)
+    outs = function_outputs(ctx, ctx.apply(*grads), [m is not None for m in metas])
+    return finish_outputs(ctx.name(), outs, metas, must_be_defined)
+
+
+def function_outputs(ctx, result, valid_edges) -> list:
+    """A custom Function's backward result as one gradient per edge (PyNode::apply's rules).
+
+    Extra trailing Nones are dropped and the count must equal the forward's inputs.
+    Edges exist for tensor inputs only; the valid ones (inputs that require grad)
+    appear in the same order as the True entries of ``needs_input_grad``.
+    """
     if type(result) is not tuple:
         result = (result,)
     needs = ctx.needs_input_grad
@@ -94,17 +104,8 @@ def call_backward(ctx, metas, must_be_defined, *grads):
     if len(result) != n_inputs:
         raise RuntimeError(f"function {ctx.name()} returned an incorrect number of gradients "
                            f"(expected {n_inputs}, got {len(result)})")
-    # Edges exist for tensor inputs only; the valid ones (inputs that require
-    # grad) appear in the same order as the True entries of needs_input_grad.
-    wanted = [r for r, need in zip(result, needs) if need]
-    outs, k = [], 0
-    for meta in metas:
-        if meta is None:
-            outs.append(None)
-        else:
-            outs.append(wanted[k])
-            k += 1
-    return finish_outputs(ctx.name(), outs, metas, must_be_defined)
+    wanted = iter([r for r, need in zip(result, needs) if need])
+    return [next(wanted) if valid else None for valid in valid_edges]
 
 
 def finish_outputs(name, outs, metas, must_be_defined):

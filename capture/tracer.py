@@ -237,11 +237,7 @@ class _Tracer:
                 else:
                     out = node(*grads)
         except Exception as err:  # cannot run on fakes: undo and go opaque
-            for n in reversed(list(graph.nodes)):
-                if n is before:
-                    break
-                graph.erase_node(n)
-            log.debug("gradfx: %s runs opaque (%s: %s)", self.call.node_label(i), type(err).__name__, err)
+            self.undo(before, i, err)
             return None
         return out if type(out) is tuple else (out,)
 
@@ -253,23 +249,20 @@ class _Tracer:
             if ctx.__dict__.get("_gradfx_materialize_grads", True):
                 grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1]) if g is None else g
                          for k, g in enumerate(grads)]
-            result = ctx.apply(*grads)
-            result = result if type(result) is tuple else (result,)
-            needs = ctx.needs_input_grad
-            if len(result) > len(needs) and all(r is None for r in result[len(needs):]):
-                result = result[:len(needs)]
-            if len(result) != len(needs):
-                raise RuntimeError(f"function {ctx.name()} returned an incorrect number of gradients "
-                                   f"(expected {len(needs)}, got {len(result)})")
-            wanted = iter([r for r, need in zip(result, needs) if need])
-            return [None if e is None else next(wanted) for e in self.call.edges[i]]
+            return runtime_ops.function_outputs(ctx, ctx.apply(*grads),
+                                                [e is not None for e in self.call.edges[i]])
         except Exception as err:
-            for n in reversed(list(graph.nodes)):
-                if n is before:
-                    break
-                graph.erase_node(n)
-            log.debug("gradfx: %s runs opaque (%s: %s)", self.call.node_label(i), type(err).__name__, err)
+            self.undo(before, i, err)
             return None
+
+    def undo(self, before: fx.Node, i: int, err: Exception) -> None:
+        """Erase what a failed attempt to trace node ``i`` recorded after ``before``."""
+        graph = self.tracer.graph
+        for n in reversed(list(graph.nodes)):
+            if n is before:
+                break
+            graph.erase_node(n)
+        log.debug("gradfx: %s runs opaque (%s: %s)", self.call.node_label(i), type(err).__name__, err)
 
     def run_opaque(self, i, node, grads, node_input):
         """Record a call of the real node (builtin) or of the user's backward (Function)."""

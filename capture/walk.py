@@ -341,6 +341,19 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
         input_owner.append(owner)
         return len(run_inputs) - 1
 
+    def own_saved(i, node, info) -> bool:
+        """Take the node's saved tensors over as inputs; False if the user's hooks own them."""
+        try:
+            saved, mask = take_saved(node, info.raw_saved, info.saved_tensors)
+        except ForeignHooks:
+            key.append(OPAQUE)
+            return False
+        owned[i] = saved
+        key.append(mask)
+        for t in saved.tensors:
+            key.append(tensor_key(t, add_input(t, "saved", i)))
+        return True
+
     def add_hooks(i, node, var=None):
         spec = HookSpec()
         if var is not None:
@@ -392,17 +405,8 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
             key.append(metas_key(i, node))
             for attr in info.saved_values:
                 key.append(value_key(i, attr, getattr(node, attr)))
-            if info.raw_saved:
-                try:
-                    saved, mask = take_saved(node, info.raw_saved, info.saved_tensors)
-                except ForeignHooks:
-                    kind = OPAQUE
-                    key.append(OPAQUE)
-                else:
-                    owned[i] = saved
-                    key.append(mask)
-                    for t in saved.tensors:
-                        key.append(tensor_key(t, add_input(t, "saved", i)))
+            if info.raw_saved and not own_saved(i, node, info):
+                kind = OPAQUE
             # The node itself is an input too: it runs opaquely if it cannot be
             # traced on fake tensors (and a placeholder nobody uses costs nothing).
             node_input[i] = add_input(node, "node", i)
@@ -413,17 +417,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
             key.append(metas_key(i, node))
             if traceable:  # ctx attributes are baked into the traced formula
                 key.append(_ctx_key(node))
-            try:
-                saved, mask = take_saved(node, info.raw_saved, info.saved_tensors)
-            except ForeignHooks:
-                traceable = False
-                key.append(OPAQUE)
-            else:
-                owned[i] = saved
-                key.append(mask)
-                for t in saved.tensors:
-                    key.append(tensor_key(t, add_input(t, "saved", i)))
-            kind = FUNCTION if traceable else OPAQUE
+            kind = FUNCTION if own_saved(i, node, info) and traceable else OPAQUE
             node_input[i] = add_input(node, "node", i)
             add_hooks(i, node)
         kinds[i] = kind
