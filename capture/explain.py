@@ -23,11 +23,12 @@ def describe_position(call: BackwardCall, pos: int) -> str:
         ndim = len(call.nodes[i]._input_metadata[nr].shape)
         if start <= pos < start + ndim:
             return f"gradient {nr} of {call.node_label(i)} dim {pos - start}"
-    for (i, attr), (start, _) in sorted(call.value_slots.items(), key=lambda kv: kv[1][0]):
-        if start <= pos:
-            last = (i, attr, start)
-    if "last" in locals():
-        i, attr, start = last
+    best = None  # the saved value starting last at or before `pos`
+    for (i, attr), (start, _) in call.value_slots.items():
+        if start <= pos and (best is None or start > best[2]):
+            best = (i, attr, start)
+    if best is not None:
+        i, attr, start = best
         return f"{call.node_label(i)} saved {attr[len('_saved_'):]} (item {pos - start})"
     return f"size {pos}"
 

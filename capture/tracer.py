@@ -46,7 +46,6 @@ log = logging.getLogger("gradfx")
 class Trace:
     graph: fx.Graph
     opaque: list  # labels of nodes that run opaquely
-    node_labels: dict  # fx node name -> autograd node label
     seconds: float
 
 
@@ -93,7 +92,6 @@ class _Tracer:
         self.tracer.tensor_attrs = {}
         self.proxy_mode = ProxyTorchDispatchMode(self.tracer, tracing_mode="symbolic" if dynamic else "fake")
         self.opaque: list = []
-        self.labels: dict = {}
         self.object_proxies: dict = {}
         self.maybe_none: set[int] = set()  # ids of fakes that may be None at run time
         self.keep: list = []  # keeps those fakes alive so their ids stay unique
@@ -438,7 +436,7 @@ def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) ->
     _group_getitems(t.tracer.graph)
     _mark_steals(t.tracer.graph)
     _mark_required_outputs(t.tracer.graph)
-    return Trace(t.tracer.graph, t.opaque, t.labels, time.perf_counter() - start)
+    return Trace(t.tracer.graph, t.opaque, time.perf_counter() - start)
 
 
 def _group_getitems(graph: fx.Graph) -> None:
