@@ -206,13 +206,16 @@ class Session:
         return entry
 
     def _add_fast_walker(self, call, structure, tensors) -> None:
+        root_type = type(call.nodes[0])
+        if any(w.structure == structure for w in fast_walk.walkers.candidates(root_type, self._config_key)):
+            return  # a recapture of a known structure (new sizes): its walker still fits
         try:
             walker = fast_walk.generate(call, tensors, structure)
         except Exception:  # a walker is an optimization; the generic walk always works
             log.debug("gradfx: no fast walker", exc_info=True)
             return
         if walker is not None:
-            fast_walk.walkers.add(type(call.nodes[0]), self._config_key, walker)
+            fast_walk.walkers.add(root_type, self._config_key, walker)
 
     def _dynamic_positions(self, call: BackwardCall, structure) -> set:
         if self.dynamic is False:
