@@ -90,24 +90,24 @@ def split(gm: fx.GraphModule) -> Split | None:
     return Split(fx.GraphModule(gm, pure), used, accumulations, len(grads), spec, len(outputs))
 
 
-def _shape_key(inputs) -> tuple:
-    return tuple(tuple(a.shape) + a.stride() if isinstance(a, torch.Tensor) else a for a in inputs)
-
-
 def runner(s: Split, compile_pure, example_inputs: list, fallback):
     """A boxed callable: run the compiled pure part, then accumulate.
 
     ``compile_pure(pure_gm, example_inputs) -> fn(list) -> outputs`` compiles code
     specialized to input shapes: once now for the example inputs, and again for
     each new shape a dynamic graph meets (gradfx's guards pick the graph, this
-    picks the compiled code).  If compiling fails, the graph runs on
-    ``fallback`` (the eager backend) with one warning.
+    picks the compiled code).  Every shape of a graph's tensors is determined by
+    its size inputs (the leading int placeholders; none in a static graph), so
+    those ints are the key.  If compiling fails, the graph runs on ``fallback``
+    (the eager backend) with one warning.
     """
     compiled: dict = {}
     leaf_positions = [leaf for leaf, _, _ in s.accumulations]
+    n_sizes = 0
+    while n_sizes < len(example_inputs) and type(example_inputs[n_sizes]) is int:
+        n_sizes += 1
 
-    def compile_for(sub):
-        key = _shape_key(sub)
+    def compile_for(sub, key):
         fn = compiled.get(key)
         if fn is None:
             try:
@@ -120,11 +120,11 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
             compiled[key] = fn
         return fn
 
-    compile_for([example_inputs[i] for i in s.used_inputs])
+    compile_for([example_inputs[i] for i in s.used_inputs], tuple(example_inputs[:n_sizes]))
 
     def boxed(args: list):
         sub = [args[i] for i in s.used_inputs]
-        fn = compile_for(sub)
+        fn = compile_for(sub, tuple(args[:n_sizes]))
         if fn is False:
             del sub
             return fallback(args)
