@@ -167,7 +167,6 @@ def generate(call: BackwardCall, tensors, structure):
             src.emit("sizes += sh")
             if not v.is_contiguous():
                 src.emit(f"sizes += v{i}.stride()")
-            _metas_check(src, var, node)
             continue
         if info.raw_saved and call.owned[i] is None:
             return None  # saved tensors under the user's hooks: generic walk

@@ -398,7 +398,10 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
             continue
         if kind is ACCUMULATE:
             var = node.variable
-            key.append((tensor_key(var, None), var.requires_grad, metas_key(i, node)))
+            # An accumulator's one input has the leaf's shape and dtype: its metadata
+            # is the leaf's own, so the leaf's sizes serve as the metadata's.
+            meta_slots[(i, 0)] = len(sizes)
+            key.append((tensor_key(var, None), var.requires_grad))
             node_input[i] = add_input(var, "variable", i)
             add_hooks(i, node, var)
         elif kind is TRACED:
