@@ -45,7 +45,7 @@ def demo(steps: int = 20) -> None:
             o.zero_grad()
             loss = nn.functional.cross_entropy(m(x), y)
             if use:
-                with gradfx.compiled_autograd(backend="eager") as session:
+                with gradfx.compiled_autograd(backend="eager"):
                     loss.backward()
             else:
                 loss.backward()

@@ -19,7 +19,6 @@ import inspect
 import logging
 from typing import Callable
 
-import torch
 import torch.fx as fx
 
 log = logging.getLogger("gradfx")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from .captured_graph import CapturedGraph

@@ -8,7 +8,6 @@ Experimental: ``table()``, ``opaque_nodes``, ``capture_seconds``.
 from __future__ import annotations
 
 import html
-import math
 
 import torch
 import torch.fx as fx

@@ -23,7 +23,6 @@ import operator
 from dataclasses import dataclass
 
 import sympy
-import torch
 from torch._guards import GuardSource, Source
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy.numbers import int_oo

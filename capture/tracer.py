@@ -351,7 +351,6 @@ def _run_engine(t: _Tracer, grads):
         for (j, nr), g in zip(call.roots, grads):
             deliver(j, nr, g)
 
-    leaf_grads = {}  # node index -> fx node of the gradient it accumulated
     hooks = call.hooks
     graph = t.tracer.graph
     while len(queue):

@@ -46,7 +46,7 @@ def _worker(rank, world, port, python_reducer, results):
             gfx_model.zero_grad()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with gradfx.compiled_autograd() as session:
+                with gradfx.compiled_autograd():
                     gfx_model(x).sum().backward()
             out["fallback_warned"] |= any(issubclass(w.category, gradfx.FallbackWarning) for w in caught)
             for a, b in zip(eager_model.parameters(), gfx_model.parameters()):

@@ -1,6 +1,5 @@
 """Hooks are captured into the graph and run as in eager: same calls, order, arguments."""
 
-import copy
 import warnings
 
 import pytest
@@ -48,8 +47,6 @@ def test_leaf_tensor_hooks_fresh_objects_each_iteration():
 
 
 def test_nonleaf_tensor_hooks_and_retain_grad():
-    kept = {}
-
     def build(log):
         model = _mlp()
         params = list(model.parameters())

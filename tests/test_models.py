@@ -1,6 +1,5 @@
 """Capture-core scenarios: real models, gradients bitwise equal to eager autograd."""
 
-import pytest
 import torch
 import torch.nn as nn
 
@@ -13,7 +12,7 @@ def mlp():
 
 
 def test_mlp():
-    s = compare_training(mlp, lambda: (torch.randn(8, 32),))
+    compare_training(mlp, lambda: (torch.randn(8, 32),))
     assert gradfx.stats()["compiles"] == 1
 
 
