@@ -235,9 +235,19 @@ def generate(call: BackwardCall, tensors, structure):
     exec(compile(code, f"<gradfx fast walk {len(nodes)} nodes>", "exec"), namespace)
     walker = namespace["fast_walk"]
     walker.source = code
-    walker.template = call
+    walker.template = _template(call)
     walker.structure = structure
     return walker
+
+
+def _template(call: BackwardCall) -> BackwardCall:
+    """``call`` without its live parts: a walker must not keep a graph (or, after a
+    retain_graph backward, its saved tensors) alive."""
+    template = BackwardCall.__new__(BackwardCall)
+    template.__dict__.update(call.__dict__)
+    template.nodes = template.owned = template.inputs = template.sizes = template.seq = None
+    template.hooks = {}
+    return template
 
 
 def _register(var, pack) -> None:
