@@ -5,13 +5,17 @@ find the root edges, discover every node reachable from them and count its
 dependencies, and (for ``autograd.grad`` / ``backward(inputs=...)``) work out which
 nodes must run (eager's ``exec_info``).  On the way it builds
 
-* the cache key: the structure of the graph (node types, edges, sequence-number
-  order, saved non-tensor values, tensor metadata), never its state;
+* the structure key: node types, edges, sequence-number order, saved non-tensor
+  values, tensor dtypes/ranks/contiguity, hooks — never state such as whether a
+  leaf's ``.grad`` is None;
+* the sizes: every size-like int in one flat list (shapes, strides of
+  non-contiguous tensors, metadata shapes, saved sizes), guarded or made symbolic
+  by ``shapes``;
 * the runtime inputs of the compiled graph: root gradients, saved tensors (taken
-  over from the nodes, see ``saved_tensors``), leaf tensors and opaque nodes.
+  over from the nodes, see ``saved_tensors``), leaf tensors, node objects, hooks.
 
-This runs on every backward, cache hit or not, so it is written as one flat loop
-with per-type facts looked up once per node type.
+Backwards of a structure seen before take the walker that ``fast_walk``
+generates for it instead; this generic walk discovers new structures.
 """
 
 from __future__ import annotations
