@@ -300,3 +300,15 @@ def test_mixed_model_function_compiled_submodule_checkpoint():
             return h.relu().sum(1)
 
     compare_training(M, lambda: (torch.randn(4, 8),), lambda out: out.mean(), check_opaque=False)
+
+
+def test_torch_compile_inside_block_is_not_counted():
+    # Compiling a forward traces joint graphs, calling backward APIs on fake tensors:
+    # those calls are torch's own and go straight to the engine, uncounted.
+    torch.manual_seed(0)
+    model = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), backend="aot_eager")
+    with gradfx.compiled_autograd() as s:
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+    assert s.stats["captures"] + s.stats["cache_hits"] + s.stats["fallbacks"] == 2
+    assert s.stats["fallbacks"] == 0
