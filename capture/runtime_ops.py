@@ -108,10 +108,16 @@ def function_outputs(ctx, result, valid_edges) -> list:
     return [next(wanted) if valid else None for valid in valid_edges]
 
 
-def finish_outputs(name, outs, metas, must_be_defined):
-    if len(outs) != len(metas):
+def check_gradient_count(name: str, got: int, expected: int) -> None:
+    """engine.cpp validate_outputs' first check, with its message."""
+    if got != expected:
         raise RuntimeError(f"Function {name} returned an invalid number of gradients - "
-                           f"expected {len(metas)}, but got {len(outs)}")
+                           f"expected {expected}, but got {got}")
+
+
+def finish_outputs(name, outs, metas, must_be_defined):
+    """validate_outputs at run time for an opaque call, whose outputs may be None."""
+    check_gradient_count(name, len(outs), len(metas))
     result = []
     for k, (g, meta) in enumerate(zip(outs, metas)):
         if meta is None or g is None:

@@ -303,9 +303,7 @@ class _Tracer:
 
 def _validate(t, node, outputs, edges):
     """engine.cpp validate_outputs on traced (fake) outputs."""
-    if len(outputs) != len(edges):
-        raise RuntimeError(f"Function {node.name()} returned an invalid number of gradients - "
-                           f"expected {len(edges)}, but got {len(outputs)}")
+    runtime_ops.check_gradient_count(node.name(), len(outputs), len(edges))
     result = []
     for k, (g, e) in enumerate(zip(outputs, edges)):
         if e is None or g is None:
