@@ -21,7 +21,7 @@ roots or distributed training take the generic walk.
 from __future__ import annotations
 
 from . import hook_registry
-from .saved_tensors import FREED_MESSAGE, SavedTensors, take_saved
+from .saved_tensors import SavedTensors, take_saved
 from .walk import ACCUMULATE, FUNCTION, BackwardCall, _flatten_sizes, _value_key, function_materializes, \
     type_info
 
@@ -65,25 +65,47 @@ def _tensor_check(src: _Source, var: str, call: BackwardCall, pos: int, t) -> No
         src.emit(f"sizes += {var}.stride()")
 
 
-def _take_saved_inline(src: _Source, var: str, node, info, mask) -> None:
-    """saved_tensors.take_saved, unrolled for a node whose saved variables are known."""
+def _read_saved(src: _Source, i: int, node, info, mask, call: BackwardCall, positions) -> bool:
+    """Pass 1 for a node's saved tensors: read, check and size them (nothing taken yet).
+
+    Reading ``node._saved_x`` before gradfx's hooks are installed runs eager's
+    in-place-modification check.  Returns False for nodes whose saved values
+    come in groups (lists of tensors): those go through ``take_saved`` in pass 2.
+    """
     groups = [getattr(node, raw) for raw in info.raw_saved]
     if any(type(g) is tuple for g in groups):
-        src.emit(f"o, mask = take_saved({var}, {src.const(info.raw_saved)}, {src.const(info.saved_tensors)})")
+        for p in positions:  # placeholders, filled in pass 2
+            start, ndim, stride_start = call.tensor_slots[p]
+            src.emit(f"sizes += {src.const((0,) * (ndim if stride_start < 0 else 2 * ndim))}")
+        return False
+    k = 0
+    for slot, (raw, attr) in enumerate(zip(info.raw_saved, info.saved_tensors)):
+        src.emit(f"r{i}_{slot} = n{i}.{raw}")
+        src.bail_unless(f"r{i}_{slot}.unpack_hook is None")  # ours from a retained run, or the user's
+        src.emit(f"x{i}_{slot} = n{i}.{attr}")
+        if not mask[slot]:
+            src.bail_unless(f"x{i}_{slot} is None")
+            continue
+        p = positions[k]
+        k += 1
+        _tensor_check(src, f"x{i}_{slot}", call, p, call.inputs[p])
+    return True
+
+
+def _own_saved(src: _Source, i: int, node, info, mask, read: bool) -> list[str]:
+    """Pass 2: take the saved tensors over; returns the names of the graph inputs."""
+    if not read:  # the caller sizes what take_saved collected
+        src.emit(f"o, mask = take_saved(n{i}, {src.const(info.raw_saved)}, {src.const(info.saved_tensors)})")
         src.bail_unless(f"mask == {src.const(mask)}")
-        return
+        return []
     src.emit("o = SavedTensors()")
-    src.emit("pack = o.pack")
-    for k, (raw, attr) in enumerate(zip(info.raw_saved, info.saved_tensors)):
-        src.emit(f"r = {var}.{raw}")
-        src.bail_unless("r.unpack_hook is None")  # ours from a retained run, or the user's
-        src.emit(f"x = {var}.{attr}")  # eager's in-place modification check
-        if mask[k]:
-            src.bail_unless("x is not None")
-            src.emit("register(r, pack)")
-        else:
-            src.bail_unless("x is None")
+    names = []
+    for slot in range(len(info.raw_saved)):
+        if mask[slot]:
+            src.emit(f"r{i}_{slot}.register_hooks(*o.hooks())")
+            names.append(f"x{i}_{slot}")
     src.emit(f"o.mask = {src.const(mask)}")
+    return names
 
 
 def _metas_check(src: _Source, node: str, live_node) -> None:
@@ -151,6 +173,7 @@ def generate(call: BackwardCall, tensors, structure):
     _tensor_check(src, "g", call, 0, call.inputs[0])
     saved_positions = {i: [p for p, (kind, owner) in enumerate(zip(call.input_kinds, call.input_owner))
                            if kind == "saved" and owner == i] for i in range(n)}
+    read: dict[int, bool] = {}
     for i, node in enumerate(nodes):
         kind = call.walk_kinds[i]
         info = type_info(type(node))
@@ -195,42 +218,44 @@ def generate(call: BackwardCall, tensors, structure):
                         src.bail_unless(f"flatten({var}.{attr}, sizes) == {src.const(layout)}")
                 else:
                     src.bail_unless(f"value_key({var}.{attr}) == {src.const(_value_key(value))}")
-        for p in saved_positions[i]:
-            start, ndim, stride_start = call.tensor_slots[p]
-            width = ndim if stride_start < 0 else 2 * ndim
-            src.emit(f"sizes += {src.const((0,) * width)}")
+        if call.owned[i] is not None:
+            read[i] = _read_saved(src, i, node, info, call.owned[i].mask, call, saved_positions[i])
 
-    # Take over saved tensors and collect inputs in the generic walk's order.
-    src.emit("inputs = [g]")
+    # Every check passed: take the saved tensors over, then build the inputs in the
+    # generic walk's order.
     src.emit(f"owned = [None] * {n}")
+    inputs = ["g"]
     for i, node in enumerate(nodes):
         if call.walk_kinds[i] is ACCUMULATE:
-            src.emit(f"inputs.append(v{i})")
+            inputs.append(f"v{i}")
             continue
-        info = type_info(type(node))
         owned = call.owned[i]
         if owned is not None:
-            _take_saved_inline(src, f"n{i}", node, info, owned.mask)
+            names = _own_saved(src, i, node, type_info(type(node)), owned.mask, read[i])
             src.emit(f"owned[{i}] = o")
-            for k, p in enumerate(saved_positions[i]):
-                start, ndim, stride_start = call.tensor_slots[p]
-                t = call.inputs[p]
-                src.emit(f"x = o.tensors[{k}]")
-                src.emit("sh = x.shape")
-                src.bail_unless(f"len(sh) == {ndim} and x.dtype is {src.const(t.dtype)} and x.layout is "
-                                f"{src.const(t.layout)} and {_device_check(src, 'x', t.device)} "
-                                f"and x.is_contiguous() is {stride_start < 0}")
-                src.emit(f"sizes[{start}:{start + ndim}] = sh")
-                if stride_start >= 0:
-                    src.emit(f"sizes[{stride_start}:{stride_start + ndim}] = x.stride()")
-                src.emit("inputs.append(x)")
-        src.emit(f"inputs.append(n{i})")
+            if not read[i]:  # grouped saved tensors: size them now
+                for k, p in enumerate(saved_positions[i]):
+                    start, ndim, stride_start = call.tensor_slots[p]
+                    t = call.inputs[p]
+                    src.emit(f"x = o.tensors[{k}]")
+                    src.emit("sh = x.shape")
+                    src.bail_unless(f"len(sh) == {ndim} and x.dtype is {src.const(t.dtype)} and x.layout is "
+                                    f"{src.const(t.layout)} and {_device_check(src, 'x', t.device)} "
+                                    f"and x.is_contiguous() is {stride_start < 0}")
+                    src.emit(f"sizes[{start}:{start + ndim}] = sh")
+                    if stride_start >= 0:
+                        src.emit(f"sizes[{stride_start}:{stride_start + ndim}] = x.stride()")
+                    src.emit(f"x{i}_g{k} = x")
+                names = [f"x{i}_g{k}" for k in range(len(saved_positions[i]))]
+            inputs.extend(names)
+        inputs.append(f"n{i}")
+    src.emit(f"inputs = [{', '.join(inputs)}]")
     src.emit("return nodes, owned, inputs, sizes, s")
 
     code = "def fast_walk(tensors, grads):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.consts, take_saved=take_saved, flatten=_flatten_sizes, value_key=_value_key,
                      materializes=function_materializes, is_traceable=_is_traceable,
-                     SavedTensors=SavedTensors, register=_register,
+                     SavedTensors=SavedTensors,
                      hooks_active=hook_registry.active, hooks_none_on=hook_registry.none_on)
     exec(compile(code, f"<gradfx fast walk {len(nodes)} nodes>", "exec"), namespace)
     walker = namespace["fast_walk"]
@@ -248,13 +273,6 @@ def _template(call: BackwardCall) -> BackwardCall:
     template.nodes = template.owned = template.inputs = template.sizes = template.seq = None
     template.hooks = {}
     return template
-
-
-def _register(var, pack) -> None:
-    try:
-        var.register_hooks(pack, SavedTensors.unpack)
-    except RuntimeError:  # freed by the eager engine: eager's own error
-        raise RuntimeError(FREED_MESSAGE) from None
 
 
 def _is_traceable(node_type) -> bool:

@@ -20,6 +20,7 @@ user's ``saved_tensors_hooks``; the latter makes the node opaque.
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 FREED_MESSAGE = (
     "Trying to backward through the graph a second time (or directly access saved "
@@ -48,27 +49,35 @@ class SavedTensors:
         self.released = False
         self.mask: tuple = ()
 
-    def pack(self, tensor):
-        self.tensors.append(tensor)
-        return (self, len(self.tensors) - 1)
+    def hooks(self):
+        """(pack, unpack) for the next saved variable.
 
-    @staticmethod
-    def unpack(packed):
-        owner, i = packed
-        if _substitution.probe:
-            raise _Probe(owner)
-        table = _substitution.table
-        if table is not None:
-            fake = table.get((id(owner), i))
-            if fake is not None:
-                return fake
-        if owner.released:
-            raise RuntimeError(FREED_MESSAGE)
-        return owner.tensors[i]
+        Both are C-level callables (a bound ``list.append`` and a ``partial``), so
+        registering them costs no Python frame: this runs for every saved tensor
+        of every backward.
+        """
+        return self.tensors.append, partial(_unpack, self, len(self.tensors))
 
     def release(self) -> None:
         self.released = True
         self.tensors = []
+
+
+def _unpack(owner: SavedTensors, index: int, packed):
+    if _substitution.probe:
+        raise _Probe(owner)
+    table = _substitution.table
+    if table is not None:
+        fake = table.get((id(owner), index))
+        if fake is not None:
+            return fake
+    if owner.released:
+        raise RuntimeError(FREED_MESSAGE)
+    return owner.tensors[index]
+
+
+def is_ours(unpack_hook) -> bool:
+    return type(unpack_hook) is partial and unpack_hook.func is _unpack
 
 
 class _Probe(Exception):
@@ -91,7 +100,6 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     """
     owned = SavedTensors()
     mask = []
-    pack, unpack = owned.pack, SavedTensors.unpack
     for raw_attr, attr in zip(raw_attrs, tensor_attrs):
         raw = getattr(node, raw_attr)
         group = raw if type(raw) is tuple else (raw,)
@@ -109,7 +117,7 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
                 mask.append(False)
                 continue
             try:
-                var.register_hooks(pack, unpack)
+                var.register_hooks(*owned.hooks())
             except RuntimeError:  # freed by the eager engine: eager's own error
                 raise RuntimeError(FREED_MESSAGE) from None
             mask.append(True)
@@ -119,7 +127,7 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
 
 def _adopt(node, var, attr, tensor_attrs):
     """The saved variables already have hooks: an earlier gradfx run's, or the user's."""
-    if var.unpack_hook is not SavedTensors.unpack:
+    if not is_ours(var.unpack_hook):
         raise ForeignHooks(f"{node.name()} has saved tensors under saved_tensors_hooks")
     _substitution.probe = True
     try:
