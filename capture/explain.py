@@ -49,18 +49,19 @@ def size_change(call: BackwardCall, old_sizes, limit: int = 4) -> str:
     return "; ".join(parts) + more if parts else "sizes as before"
 
 
-def log_structure_miss(key: tuple) -> None:
-    """Log how this graph's structure differs from the last one captured."""
-    previous, _last_key[0] = _last_key[0], key
+def log_structure_miss(call: BackwardCall) -> None:
+    """Log how this graph's structure differs from the last one captured, e.g.
+    ``new structure: node 1 (PowBackward0 #7): ((<class 'float'>, ...), '2.0') -> '3.0'``."""
+    previous, _last_key[0] = _last_key[0], call.key
     if previous is None or not log.isEnabledFor(logging.INFO):
         return
-    previous, key = previous.items, key.items
+    previous, key = previous.items, call.key.items
     node = None
     for k, (a, b) in enumerate(zip(previous, key)):
         if isinstance(b, _NodeMark):
             node = int(b)
         if a != b:
-            where = f"node {node}" if node is not None else "roots"
+            where = f"node {node} ({call.node_label(node)})" if node is not None else "the roots"
             log.info("gradfx: new structure: at %s, %r -> %r", where, a, b)
             return
     if len(previous) != len(key):

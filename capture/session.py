@@ -177,7 +177,7 @@ class Session:
                 log.info("gradfx: recapture: %s; %s", failed or "no graph",
                          explain.size_change(call, cache.last_sizes[structure]))
         else:
-            explain.log_structure_miss(call.key)
+            explain.log_structure_miss(call)
         dynamic = self._dynamic_positions(call, structure)
         trace, symbolic = None, None
         if dynamic:
