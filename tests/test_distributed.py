@@ -24,8 +24,28 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _compare_steps(rank, eager_model, gfx_model, full, steps=3) -> dict:
+    """Train both models ``steps`` steps, the second under gradfx; compare every grad."""
+    import gradfx  # in the spawned process, before the first forward registers hooks
+    out = {"equal": True, "fallback_warned": False}
+    for it in range(steps):
+        torch.manual_seed(100 * rank + it)
+        x = torch.randn(3, 4)
+        eager_model.zero_grad()
+        eager_model(x).sum().backward()
+        gfx_model.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with gradfx.compiled_autograd():
+                gfx_model(x).sum().backward()
+        out["fallback_warned"] |= any(issubclass(w.category, gradfx.FallbackWarning) for w in caught)
+        for a, b in zip(eager_model.parameters(), gfx_model.parameters()):
+            out["equal"] &= torch.equal(full(a.grad), full(b.grad))
+    out["stats"] = gradfx.stats()
+    return out
+
+
 def _worker(rank, world, port, python_reducer, results):
-    import gradfx
     from torch.nn.parallel import DistributedDataParallel as DDP
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -37,21 +57,7 @@ def _worker(rank, world, port, python_reducer, results):
         eager_model = DDP(base)
         torch.manual_seed(0)
         gfx_model = DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
-        out = {"equal": True, "fallback_warned": False, "stats": None}
-        for it in range(3):
-            torch.manual_seed(100 * rank + it)
-            x = torch.randn(3, 4)
-            eager_model.zero_grad()
-            eager_model(x).sum().backward()
-            gfx_model.zero_grad()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                with gradfx.compiled_autograd():
-                    gfx_model(x).sum().backward()
-            out["fallback_warned"] |= any(issubclass(w.category, gradfx.FallbackWarning) for w in caught)
-            for a, b in zip(eager_model.parameters(), gfx_model.parameters()):
-                out["equal"] &= torch.equal(a.grad, b.grad)
-        out["stats"] = gradfx.stats()
+        out = _compare_steps(rank, eager_model, gfx_model, lambda g: g)
         out["grad0"] = gfx_model.module[0].weight.grad.flatten()[:3].tolist()
         results[rank] = out
     finally:
@@ -84,7 +90,6 @@ def test_ddp_python_reducer_is_captured():
 
 
 def _fsdp_worker(rank, world, port, results):
-    import gradfx
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -99,22 +104,7 @@ def _fsdp_worker(rank, world, port, results):
             fully_shard(m, mesh=mesh)
             models.append(m)
         eager_model, gfx_model = models
-        out = {"equal": True, "stats": None, "warned": []}
-        for it in range(3):
-            torch.manual_seed(100 * rank + it)
-            x = torch.randn(3, 4)
-            eager_model.zero_grad()
-            eager_model(x).sum().backward()
-            gfx_model.zero_grad()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                with gradfx.compiled_autograd():
-                    gfx_model(x).sum().backward()
-            out["warned"] += [str(w.message)[:200] for w in caught if issubclass(w.category, gradfx.FallbackWarning)]
-            for a, b in zip(eager_model.parameters(), gfx_model.parameters()):
-                out["equal"] &= torch.equal(a.grad.full_tensor(), b.grad.full_tensor())
-        out["stats"] = gradfx.stats()
-        results[rank] = out
+        results[rank] = _compare_steps(rank, eager_model, gfx_model, lambda g: g.full_tensor())
     finally:
         dist.destroy_process_group()
 
