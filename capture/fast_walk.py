@@ -23,7 +23,7 @@ from __future__ import annotations
 from . import hook_registry
 from .saved_tensors import SavedTensors, take_saved
 from .walk import ACCUMULATE, FUNCTION, BackwardCall, _flatten_sizes, _value_key, function_materializes, \
-    type_info
+    is_traceable, type_info
 
 
 class _Source:
@@ -254,7 +254,7 @@ def generate(call: BackwardCall, tensors, structure):
 
     code = "def fast_walk(tensors, grads):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.consts, take_saved=take_saved, flatten=_flatten_sizes, value_key=_value_key,
-                     materializes=function_materializes, is_traceable=_is_traceable,
+                     materializes=function_materializes, is_traceable=is_traceable,
                      SavedTensors=SavedTensors,
                      hooks_active=hook_registry.active, hooks_none_on=hook_registry.none_on)
     exec(compile(code, f"<gradfx fast walk {len(nodes)} nodes>", "exec"), namespace)
@@ -273,10 +273,6 @@ def _template(call: BackwardCall) -> BackwardCall:
     template.nodes = template.owned = template.inputs = template.sizes = template.seq = None
     template.hooks = {}
     return template
-
-
-def _is_traceable(node_type) -> bool:
-    return bool(getattr(node_type._forward_cls, "_gradfx_traceable", False))
 
 
 def instantiate(template: BackwardCall, nodes, owned, inputs, sizes, seq) -> BackwardCall:

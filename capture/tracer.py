@@ -445,12 +445,19 @@ def _group_getitems(graph: fx.Graph) -> None:
     eager engine moves outputs out of the node's result at once).
     """
     for node in list(graph.nodes):
-        items = sorted((u for u in node.users if u.op == "call_function" and u.target is operator.getitem),
-                       key=lambda u: u.args[1])
-        anchor = node
-        for item in items:
-            anchor.append(item)
-            anchor = item
+        unpack_right_after(node)
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def unpack_right_after(node: fx.Node) -> None:
+    """Move the getitems of ``node``'s tuple result right behind it, in item order."""
+    anchor = node
+    for item in sorted((u for u in node.users if is_getitem(u)), key=lambda u: u.args[1]):
+        anchor.append(item)
+        anchor = item
 
 
 def _mark_required_outputs(graph: fx.Graph) -> None:

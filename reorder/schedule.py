@@ -26,22 +26,21 @@ After::
 
 from __future__ import annotations
 
-import operator
-
 import torch.fx as fx
 
+from ..capture.tracer import is_getitem, unpack_right_after
 from .dce import has_side_effect
 
 
 def _is_side_effect(node: fx.Node) -> bool:
-    return node.op == "call_function" and has_side_effect(node) and not node.op == "placeholder"
+    return node.op == "call_function" and has_side_effect(node)
 
 
 def early_side_effects(graph: fx.Graph) -> None:
     order = {n: k for k, n in enumerate(graph.nodes)}
     previous = None
     for node in list(graph.nodes):
-        if not _is_side_effect(node) or node.op == "output":
+        if not _is_side_effect(node):
             continue
         anchor = max(list(node.all_input_nodes) + ([previous] if previous is not None else []),
                      key=order.__getitem__, default=None)
@@ -50,22 +49,10 @@ def early_side_effects(graph: fx.Graph) -> None:
                 if reader is not node and order[reader] < order[node]:
                     if anchor is None or order[reader] > order[anchor]:
                         anchor = reader
-        while anchor is not None and _is_getitem(anchor.next) and anchor.next is not node:
+        while anchor is not None and is_getitem(anchor.next) and anchor.next is not node:
             anchor = anchor.next  # a tuple is unpacked whole before anything runs in between
         if anchor is not None and anchor.next is not node:
             anchor.append(node)
-            _follow(node)
+            unpack_right_after(node)
             order = {n: k for k, n in enumerate(graph.nodes)}
         previous = node
-
-
-def _is_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
-
-
-def _follow(node: fx.Node) -> None:
-    """Keep a tuple-returning call's getitems right behind it."""
-    last = node
-    for user in sorted((u for u in node.users if _is_getitem(u)), key=lambda u: u.args[1]):
-        last.append(user)
-        last = user
