@@ -60,7 +60,8 @@ class SavedTensors:
 
     def release(self) -> None:
         self.released = True
-        self.tensors = []
+        # In place: the saved variables' pack hooks are bound to this very list.
+        self.tensors.clear()
 
 
 def _unpack(owner: SavedTensors, index: int, packed):
