@@ -99,9 +99,11 @@ class SymbolicSizes:
         self.sizes = list(sizes)
         self.positions = sorted(dynamic)
         self.symint = {}
+        self.symbol = {}  # position -> its own symbol (SymNode.expr shows replacements)
         for p in self.positions:
             source = SizeSource(p)
             sym = self.shape_env.create_symbol(sizes[p], source, dynamic_dim=DimDynamic.DYNAMIC)
+            self.symbol[p] = sym
             self.symint[p] = self.shape_env.create_symintnode(sym, hint=sizes[p], source=source)
 
     def value(self, p):
@@ -130,7 +132,13 @@ class SymbolicSizes:
 
 
 class Guard:
-    """The compiled condition on ``sizes`` under which a graph is reused."""
+    """The compiled condition on ``sizes`` under which a graph is reused.
+
+    ``conditions`` are sympy booleans over one symbol per dynamic position (its
+    own ShapeEnv symbol); the check binds each symbol to its size and evaluates
+    their conjunction, printed as one expression so that an ``or`` inside a
+    condition can never leak out of it.
+    """
 
     def __init__(self, check, text: list[str], positions: list[int], explain=None):
         self.check = check
@@ -152,74 +160,83 @@ class Guard:
 
     @staticmethod
     def build(symbolic: SymbolicSizes, describe=None) -> "Guard":
-        env = symbolic.shape_env
-        dynamic = set(symbolic.positions)
-        static = [p for p in range(len(symbolic.sizes)) if p not in dynamic]
-        exprs = {}
-        for p in symbolic.positions:
-            exprs[p] = env.replace(symbolic.symint[p].node.expr)
-        free = sorted({s for e in exprs.values() for s in e.free_symbols}, key=lambda s: s.name)
-        # Each free symbol is read from the first position that is exactly it.
-        home = {}
-        for p in symbolic.positions:
-            e = exprs[p]
-            if isinstance(e, sympy.Symbol) and e not in home:
-                home[e] = p
-        # The ShapeEnv's own names, as print_readable() shows them in the graph.
-        names = {s: s.name for s in free}
+        bound = dict(symbolic.symbol)
+        shown_conditions, implied = guard_conditions(symbolic)
+        conditions = shown_conditions + implied
+        unbound = set().union(*(c.free_symbols for c in conditions)) - set(bound.values())
+        if unbound:  # a symbol no size stands for (data-dependent): no guard can check it
+            raise ValueError(f"guard uses symbols without a size: {sorted(map(str, unbound))}")
+        static = [p for p in range(len(symbolic.sizes)) if p not in bound]
         printer = PythonPrinter()
-        lines, text = [], []
-        for s in free:
-            lines.append(f"{names[s]} = sizes[{home[s]}]")
-        conds = []
-        for s in free:
-            vr = env.var_to_range.get(s)
-            lower = int(vr.lower) if vr is not None and _finite(vr.lower) else 2
-            conds.append(f"{names[s]} >= {lower}")
-            text.append(f"{names[s]} >= {lower}")
-            if vr is not None and _finite(vr.upper):
-                conds.append(f"{names[s]} <= {int(vr.upper)}")
-                text.append(f"{names[s]} <= {int(vr.upper)}")
-        for p in symbolic.positions:
-            e = exprs[p]
-            if home.get(e) == p:
-                continue
-            code = printer.doprint(e.xreplace({s: sympy.Symbol(names[s]) for s in free}))
-            conds.append(f"sizes[{p}] == {code}")
-            text.append(f"sizes[{p}] == {code}")
-        for g in env.guards:
-            e = env.simplify(g.expr)
-            if e == sympy.true or (isinstance(e, sympy.Eq) and e.lhs in exprs.values()):
-                continue
-            code = printer.doprint(e.xreplace({s: sympy.Symbol(names[s]) for s in free}))
-            if code not in conds:
-                conds.append(code)
-                text.append(code)
-        text.append(f"{len(static)} other sizes as captured")
-        if describe is not None:
-            for sym in sorted(free, key=lambda s: home[s]):
-                text.append(f"where {names[sym]} is sizes[{home[sym]}]: {describe(home[sym])}")
+        bindings = [f"{bound[p]} = sizes[{p}]" for p in symbolic.positions]
+        body = printer.doprint(sympy.And(*conditions)) if conditions else "True"
         getter = operator.itemgetter(*static) if static else (lambda s: ())
         expected = tuple(symbolic.sizes[p] for p in static)
         if len(static) == 1:
             expected = expected[0]
-        body = "\n    ".join(lines + [f"return ({' and '.join(conds) or 'True'})"])
-        src = f"def check(sizes):\n    if getter(sizes) != expected:\n        return False\n    {body}\n"
+        src = "def check(sizes):\n    if getter(sizes) != expected:\n        return False\n    "
+        src += "\n    ".join(bindings + [f"return bool({body})"]) + "\n"
         namespace = {"getter": getter, "expected": expected}
         exec(compile(src, "<gradfx guard>", "exec"), namespace)
-        text = list(dict.fromkeys(text))  # de-duplicated, in order
+
+        # What users read: free symbols by name, every other position as sizes[p].
+        env = symbolic.shape_env
+        home = {sym: p for p, sym in bound.items()}
+        free = [sym for sym in bound.values() if env.replace(sym) == sym]
+        shown = {sym: sympy.Symbol(f"sizes[{p}]") for p, sym in bound.items()
+                 if sym not in free}
+        lines = [printer.doprint(c.xreplace(shown)) for c in conditions]
+        text = list(dict.fromkeys(lines[:len(shown_conditions)]))
+        text.append(f"{len(static)} other sizes as captured")
+        if describe is not None:
+            for sym in sorted(free, key=home.__getitem__):
+                text.append(f"where {sym} is sizes[{home[sym]}]: {describe(home[sym])}")
 
         def explain(sizes):
             for p in static:
                 if sizes[p] != symbolic.sizes[p]:
                     return f"static sizes[{p}] == {symbolic.sizes[p]} (got {sizes[p]})"
-            env_vals = {names[s]: sizes[home[s]] for s in free}
-            for cond in conds:
-                if not eval(cond, {"sizes": sizes}, dict(env_vals)):
-                    return f"{cond} with {env_vals}"
+            values = {sym: sympy.Integer(sizes[p]) for p, sym in bound.items()}
+            for cond, line in zip(conditions, lines):
+                if cond.xreplace(values) is not sympy.true:
+                    return f"{line} with {dict((str(s), sizes[home[s]]) for s in cond.free_symbols)}"
             return "none"
-        return Guard(namespace["check"], text, [home[s] for s in sorted(free, key=lambda s: home[s])],
-                     explain)
+        return Guard(namespace["check"], text, sorted(home[s] for s in free), explain)
+
+
+def guard_conditions(symbolic: SymbolicSizes) -> tuple[list, list]:
+    """Every condition the trace relied on, as sympy booleans over the positions' symbols:
+    (the conditions to show, those implied by them, checked all the same).
+
+    * each symbol within its range (the ShapeEnv's lower bound, 2 by default);
+    * each position whose symbol the ShapeEnv replaced equals its replacement
+      (``s7 == s0`` where two dims must agree);
+    * the ShapeEnv's guards (after replacements), minus those that hold trivially.
+    """
+    env = symbolic.shape_env
+    conditions = []
+    replaced = {}
+    implied = []  # ranges of replaced symbols: implied by their replacement, still checked
+    for p in symbolic.positions:
+        sym = symbolic.symbol[p]
+        e = env.replace(sym)
+        if e != sym:
+            replaced[sym] = e
+        vr = env.var_to_range.get(sym)
+        lower = int(vr.lower) if vr is not None and _finite(vr.lower) else 2
+        ranges = [sympy.Ge(sym, lower, evaluate=False)]
+        if vr is not None and _finite(vr.upper):
+            ranges.append(sympy.Le(sym, int(vr.upper), evaluate=False))
+        (implied if e != sym else conditions).extend(ranges)
+    conditions += [sympy.Eq(sym, e, evaluate=False) for sym, e in replaced.items()]
+    seen = set(conditions)
+    for g in env.guards:
+        e = env.simplify(g.expr)
+        if e == sympy.true or e in seen:
+            continue
+        seen.add(e)
+        conditions.append(e)
+    return conditions, implied
 
 
 def _finite(bound) -> bool:

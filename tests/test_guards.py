@@ -1,0 +1,147 @@
+"""The compiled guard agrees with the ShapeEnv's own evaluation of every condition.
+
+For graphs of the test models traced with every size symbolic, sizes are drawn
+(static positions fixed; dynamic ones from 1, 2, equal pairs, multiples and
+large values) and the compiled guard is compared with an independent reading of
+the ShapeEnv: each symbol in its range, each replacement, each recorded guard
+expression (as recorded, before simplification) evaluated by sympy.
+"""
+
+import random
+
+import pytest
+import sympy
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gradfx.capture.shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates
+from gradfx.capture.tracer import trace_backward
+from gradfx.capture.walk import walk_backward
+
+from test_dynamic import LSTMHead, cnn, mlp, transformer
+
+
+class Attention(nn.Module):
+    """GPT-2-like: qkv projection split into heads, a key cache (cat), SDPA with dropout."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.d, self.heads = d, heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        k = torch.cat([torch.zeros(b, h, 0, d // h), k], -2)
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        return self.proj(o.transpose(1, 2).reshape(b, t, d))
+
+
+# model, input shape of the capture, other shapes of the same structure
+MODELS = {
+    "mlp": (mlp, (4, 16), [(2, 16), (3, 16), (8, 16), (5, 16)]),
+    "cnn": (cnn, (4, 3, 12, 12), [(2, 3, 12, 12), (3, 3, 12, 12), (8, 3, 12, 12), (5, 3, 12, 12)]),
+    "lstm": (LSTMHead, (4, 5, 8), [(2, 5, 8), (3, 5, 8), (8, 5, 8), (4, 7, 8)]),
+    "transformer": (transformer, (4, 10, 32), [(2, 10, 32), (3, 16, 32), (8, 24, 32), (5, 40, 32)]),
+    "attention": (Attention, (2, 12, 16), [(3, 12, 16), (4, 12, 16), (8, 12, 16), (5, 12, 16)]),
+}
+
+
+def _sizes_of(model, shape):
+    torch.manual_seed(1)
+    loss = model(torch.randn(*shape)).square().mean()
+    return walk_backward((loss,), (torch.ones_like(loss),), (), True)
+
+
+def _symbolic_capture(name):
+    """(symbolic sizes of a capture, size lists of the same graph at other input shapes)."""
+    torch.manual_seed(0)
+    make, shape, others = MODELS[name]
+    model = make()
+    call = _sizes_of(model, shape)
+    symbolic = SymbolicSizes(call.sizes, dynamic_candidates(call.sizes) - baked_positions(call))
+    trace_backward(call, symbolic)
+    real = []
+    for other in others:
+        c = _sizes_of(model, other)
+        if c.key == call.key:
+            real.append(c.sizes)
+    return symbolic, real
+
+
+def _reference(symbolic, sizes) -> bool:
+    """The ShapeEnv's conditions evaluated by sympy, independently of the compiled guard."""
+    env = symbolic.shape_env
+    dynamic = set(symbolic.positions)
+    if any(sizes[p] != v for p, v in enumerate(symbolic.sizes) if p not in dynamic):
+        return False
+    values = {symbolic.symbol[p]: sympy.Integer(sizes[p]) for p in symbolic.positions}
+    for p in symbolic.positions:
+        sym = symbolic.symbol[p]
+        if sizes[p] not in env.var_to_range[sym]:
+            return False
+        if env.replace(sym).xreplace(values) != values[sym]:
+            return False
+    return all(g.expr.xreplace(values) == sympy.true for g in env.guards)
+
+
+def _draws(symbolic, real, rng, n):
+    """Two thirds: sizes of the same model at other input shapes, a sixth of them
+    with one class of equal sizes changed; one third: dynamic sizes drawn freely
+    from 1, 2, equal pairs, multiples and large values."""
+    dynamic = symbolic.positions
+    for k in range(n):
+        if k % 3 != 2:
+            sizes = list(rng.choice(real))
+            if k % 9 == 0:  # equal pairs stay equal, with a new common value
+                old = sizes[rng.choice(dynamic)]
+                new = rng.choice([2, 2 * old, old + 1, 1000 * old])
+                sizes = [new if p in dynamic and v == old else v for p, v in enumerate(sizes)]
+        else:
+            sizes = list(symbolic.sizes)
+            for p in dynamic:
+                if rng.random() < 0.3:
+                    sizes[p] = rng.choice([1, 2, 2 * sizes[p], 997, sizes[rng.choice(dynamic)]])
+        yield sizes
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_compiled_guard_matches_shape_env(name):
+    symbolic, real = _symbolic_capture(name)
+    assert len(real) >= 3
+    guard = Guard.build(symbolic)
+    assert guard(symbolic.sizes) and _reference(symbolic, symbolic.sizes)
+    rng = random.Random(0)
+    results = []
+    for sizes in _draws(symbolic, real, rng, 300):
+        expected = _reference(symbolic, sizes)
+        assert guard(sizes) == expected, (guard.failing(sizes), sizes)
+        results.append(expected)
+    assert sum(results) >= len(results) // 2, f"only {sum(results)} of {len(results)} draws satisfy"
+    assert not all(results)
+
+
+def test_a_disjunction_stays_inside_its_condition():
+    # The bug this file guards against: conditions joined as text, so `a or b and c`
+    # let one true term of a disjunction accept any sizes.
+    symbolic = SymbolicSizes([4, 6], {0, 1})
+    s0, s1 = symbolic.symint[0], symbolic.symint[1]
+    env = symbolic.shape_env
+    from torch.fx.experimental.symbolic_shapes import guard_bool
+    guard_bool(sympy.Or(sympy.Eq(s0.node.expr, 4), sympy.Eq(s1.node.expr, 1)) and (s0 == 4 or s1 == 1))
+    assert s1 * 2 > s0  # records s0 < 2*s1
+    guard = Guard.build(symbolic)
+    assert guard([4, 6])
+    assert not guard([4, 1]) and not guard([20, 6])
+    assert _reference(symbolic, [4, 3]) == guard([4, 3])
+
+
+if __name__ == "__main__":
+    for name in MODELS:
+        symbolic, real = _symbolic_capture(name)
+        guard = Guard.build(symbolic)
+        ok = [guard(s) for s in _draws(symbolic, real, random.Random(0), 300)]
+        print(name, len(symbolic.positions), sum(ok[0::2]), sum(ok[1::2]))
