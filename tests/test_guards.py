@@ -138,10 +138,3 @@ def test_a_disjunction_stays_inside_its_condition():
     assert not guard([4, 1]) and not guard([20, 6])
     assert _reference(symbolic, [4, 3]) == guard([4, 3])
 
-
-if __name__ == "__main__":
-    for name in MODELS:
-        symbolic, real = _symbolic_capture(name)
-        guard = Guard.build(symbolic)
-        ok = [guard(s) for s in _draws(symbolic, real, random.Random(0), 300)]
-        print(name, len(symbolic.positions), sum(ok[0::2]), sum(ok[1::2]))
