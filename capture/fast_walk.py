@@ -21,7 +21,7 @@ roots or distributed training take the generic walk.
 from __future__ import annotations
 
 from . import hook_registry
-from .saved_tensors import SavedTensors, take_saved
+from .saved_tensors import Origin, SavedTensors, take_saved
 from .walk import ACCUMULATE, FUNCTION, BackwardCall, _flatten_sizes, _value_key, function_materializes, \
     is_traceable, type_info
 
@@ -104,7 +104,8 @@ def _own_saved(src: _Source, i: int, node, info, mask, read: bool) -> list[str]:
         if mask[slot]:
             src.emit(f"r{i}_{slot}.register_hooks(*o.hooks())")
             names.append(f"x{i}_{slot}")
-    src.emit(f"o.mask = {src.const(mask)}")
+    origin = Origin.of(node, info.saved_tensors, False)
+    src.emit(f"o.seal({src.const(mask)}, {src.const(origin)})")
     return names
 
 

@@ -15,10 +15,16 @@ gradfx
 A saved variable that already has hooks belongs either to an earlier gradfx run
 (its ``unpack_hook`` is ours; a probing unpack raises with the owner) or to the
 user's ``saved_tensors_hooks``; the latter makes the node opaque.
+
+torch does not check a hooked saved variable for in-place modification, so gradfx
+does: it records each tensor's version when it takes the tensor over (right
+after eager's own check passed) and raises eager's error wherever the tensor is
+read again, by a later gradfx walk or by the eager engine through the unpack hook.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from functools import partial
 
@@ -42,12 +48,26 @@ _substitution = _State()
 class SavedTensors:
     """The saved tensors of one node, owned by gradfx (weak-referenceable)."""
 
-    __slots__ = ("tensors", "released", "mask", "__weakref__")
+    __slots__ = ("tensors", "released", "mask", "versions", "origin", "__weakref__")
 
     def __init__(self) -> None:
         self.tensors: list = []
         self.released = False
         self.mask: tuple = ()
+        self.versions: list = []
+        self.origin: "Origin | None" = None
+
+    def seal(self, mask: tuple, origin: "Origin") -> None:
+        """Taken over: remember the mask and each tensor's version (eager's check just passed)."""
+        self.mask = mask
+        self.origin = origin
+        self.versions = [t._version for t in self.tensors]
+
+    def check_versions(self) -> None:
+        """Raise eager's error if a tensor was modified in place since it was taken over."""
+        for index, t in enumerate(self.tensors):
+            if t._version != self.versions[index]:
+                raise RuntimeError(_modified_message(self, index, t))
 
     def hooks(self):
         """(pack, unpack) for the next saved variable.
@@ -74,7 +94,54 @@ def _unpack(owner: SavedTensors, index: int, packed):
             return fake
     if owner.released:
         raise RuntimeError(FREED_MESSAGE)
-    return owner.tensors[index]
+    t = owner.tensors[index]
+    if t._version != owner.versions[index]:
+        raise RuntimeError(_modified_message(owner, index, t))
+    return t
+
+
+class Origin:
+    """What eager's in-place error says about the saved tensors of one node type."""
+
+    __slots__ = ("node_name", "attrs", "grouped")
+
+    _by_type: dict = {}
+
+    def __init__(self, node_name: str, attrs: tuple, grouped: bool):
+        self.node_name = node_name
+        self.attrs = attrs
+        self.grouped = grouped
+
+    @classmethod
+    def of(cls, node, tensor_attrs: tuple, grouped: bool) -> "Origin":
+        key = (type(node), grouped)
+        origin = cls._by_type.get(key)
+        if origin is None:
+            # Eager names the forward op: ExpBackward0 -> Exp.
+            name = re.sub(r"Backward\d*$", "", node.name())
+            origin = cls._by_type[key] = cls(name, tensor_attrs, grouped)
+        return origin
+
+    def clause(self, mask: tuple, index: int) -> str:
+        """", which is output k of Op," for a saved result of the node; "" where unknown."""
+        if self.grouped:
+            return ""
+        defined = [attr for attr, m in zip(self.attrs, mask) if m]
+        if index >= len(defined):
+            return ""
+        match = re.fullmatch(r"_saved_result(\d*)", defined[index])
+        if match is None:
+            return ""
+        return f", which is output {int(match.group(1) or 0)} of {self.node_name},"
+
+
+def _modified_message(owner: SavedTensors, index: int, t) -> str:
+    clause = owner.origin.clause(owner.mask, index) if owner.origin is not None else ""
+    return ("one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(t.shape)}]{clause} is at version {t._version}; expected "
+            f"version {owner.versions[index]} instead. Hint: enable anomaly detection to find the "
+            "operation that failed to compute its gradient, with "
+            "torch.autograd.set_detect_anomaly(True, check_nan=False).")
 
 
 def is_ours(unpack_hook) -> bool:
@@ -101,8 +168,10 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     """
     owned = SavedTensors()
     mask = []
+    grouped = False
     for raw_attr, attr in zip(raw_attrs, tensor_attrs):
         raw = getattr(node, raw_attr)
+        grouped |= type(raw) is tuple
         group = raw if type(raw) is tuple else (raw,)
         for var in group:
             if var.unpack_hook is not None:
@@ -122,7 +191,7 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
             except RuntimeError:  # freed by the eager engine: eager's own error
                 raise RuntimeError(FREED_MESSAGE) from None
             mask.append(True)
-    owned.mask = tuple(mask)
+    owned.seal(tuple(mask), Origin.of(node, tensor_attrs, grouped))
     return owned, owned.mask
 
 
@@ -140,8 +209,7 @@ def _adopt(node, var, attr, tensor_attrs):
         _substitution.probe = False
     if owned.released:
         raise RuntimeError(FREED_MESSAGE)
-    for attr in tensor_attrs:
-        getattr(node, attr)  # eager's in-place modification check
+    owned.check_versions()
     return owned, owned.mask
 
 
