@@ -1,30 +1,33 @@
-"""Finds the hooks that walking grad_fn nodes cannot see.
+"""Finds the hooks that walking grad_fn nodes cannot see directly.
 
 A leaf's hooks are visible on the tensor (``_backward_hooks``,
-``_post_accumulate_grad_hooks``).  The others live inside C++ nodes, which Python
-cannot read back: hooks on non-leaf tensors, ``retain_grad()`` on non-leaf
-tensors, and ``grad_fn.register_hook`` / ``register_prehook``.  Every one of those
-registrations goes through a Python function, so gradfx wraps those functions (at
-import) and records what was registered on which node:
+``_post_accumulate_grad_hooks``).  The others live inside C++ nodes:
 
-* tensor hooks on a non-leaf: its hook dict, by ``id(grad_fn)``, with the node's
-  type and sequence number as a witness against a reused id;
-* ``retain_grad()``: the tensor (a weak set); its node is read at walk time,
-  because an in-place op moves the retains-grad hook to the new ``grad_fn``;
-* node hooks: the registration does not say which node.  gradfx reads the
-  caller's bytecode: for ``name.register_hook(...)`` (``name`` a local, global
-  or closure variable: e.g. ``acc = p.view_as(p).grad_fn.next_functions[0][0];
-  acc.register_hook(h)``, or torch's module backward hooks) the receiver is known
-  exactly.  Anything else is recorded as unattributed, and a backward that might
-  meet it falls back to eager instead of running without it.
+* node pre- and post-hooks (``grad_fn.register_prehook`` / ``register_hook``,
+  however the receiver was written: ``t.grad_fn.register_hook(h)``,
+  ``out.grad_fn.next_functions[0][0].register_hook(h)``, module hooks).  Every
+  registration passes the node's current hook dict (or None) to
+  ``_HookMixin._register_hook`` and attaches a new dict to the node only after
+  that call returns.  gradfx's wrapper of that function answers a *probe*: while
+  probing (on this thread) it raises with the dict it was given, so
+  ``node.register_prehook(None)`` reads the node's pre-hook dict and leaves the
+  node unchanged.  Probing is needed only while some node-hook dict is alive;
+  the wrapper counts them (weakly).
+* hooks on non-leaf tensors (tensor pre-hooks of their ``grad_fn``): the wrapper
+  of ``Tensor.register_hook`` records the tensor's hook dict by ``id(grad_fn)``,
+  with the node's type and sequence number as a witness against a reused id;
+* ``retain_grad()`` on non-leaf tensors: the tensor, weakly; its node is read at
+  walk time, because an in-place op moves the retains-grad hook to the new
+  ``grad_fn``.
+
+Outside a probe every wrapper only calls the original and takes notes, so eager
+code sees the same results, errors, hook order and handles as without gradfx.
 """
 
 from __future__ import annotations
 
-import dis
-import sys
+import threading
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -32,52 +35,44 @@ from torch.autograd.function import _HookMixin
 from torch.overrides import has_torch_function_unary
 
 
-class _HookDict(OrderedDict):
-    """An OrderedDict that can be weakly referenced by identity (hook dicts)."""
+@dataclass
+class NodeHooks:
+    """The hooks of one autograd node, each kind in registration order."""
 
-    __hash__ = object.__hash__
+    tensor_pre: list = field(default_factory=list)  # (output_nr, hook dict)
+    pre: dict | None = None
+    post: dict | None = None
 
 
 @dataclass
-class NodeHooks:
-    """Hooks registered on one autograd node, in registration order."""
-
+class _TensorHooks:
     witness: tuple  # (type, sequence number) of the node
-    tensor_pre: list = field(default_factory=list)  # (output_nr, dict ref)
-    pre: list = field(default_factory=list)  # dict refs
-    post: list = field(default_factory=list)  # dict refs
-
-    def prune(self) -> bool:
-        """Drop dead dicts; True if nothing is left."""
-        self.tensor_pre = [e for e in self.tensor_pre if e[1]() is not None]
-        self.pre = [r for r in self.pre if r() is not None]
-        self.post = [r for r in self.post if r() is not None]
-        return not (self.tensor_pre or self.pre or self.post)
+    dicts: list  # (output_nr, weakref to the tensor's hook dict)
 
 
-_by_node: dict[int, NodeHooks] = {}
-_retained: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
-# Node hook dicts whose node could not be told, by id (entries die with the dict).
-_unattributed: dict[int, weakref.ref] = {}
-_attribution_cache: dict[tuple, tuple | None] = {}
+_tensor_pre: dict[int, _TensorHooks] = {}  # id(grad_fn) -> hook dicts of its outputs
+_retained: dict[int, weakref.ref] = {}  # id(tensor) -> tensor, for retain_grad()
+_node_dicts: dict[int, weakref.ref] = {}  # live node-hook dicts, by id
+
+
+class _Probe(threading.local):
+    active = False
+
+
+_probe = _Probe()
+
+
+class _ProbeAnswer(Exception):
+    """Raised by the wrapper while probing: carries the node's current hook dict."""
 
 
 def _witness(node) -> tuple:
     return (type(node), node._sequence_nr())
 
 
-def _entry(node) -> NodeHooks:
-    key = id(node)
-    entry = _by_node.get(key)
-    if entry is None or entry.witness != _witness(node) or entry.prune():
-        entry = _by_node[key] = NodeHooks(_witness(node))
-    return entry
-
-
-def _drop_if_dead(key: int) -> None:
-    entry = _by_node.get(key)
-    if entry is not None and entry.prune():
-        del _by_node[key]
+def _forget(table: dict, key: int, ref) -> None:
+    if table.get(key) is ref:  # not an entry made since for a reused id
+        del table[key]
 
 
 _orig_register_hook = torch.Tensor.register_hook
@@ -85,136 +80,129 @@ _orig_retain_grad = torch.Tensor.retain_grad
 _orig_node_register = _HookMixin._register_hook
 
 
-def _register_hook(self, hook):
-    fresh = (self.grad_fn is not None and self._backward_hooks is None
-             and not has_torch_function_unary(self))
-    if fresh:
-        # Give the node a dict we can weakly reference; torch registers it as is.
-        self._backward_hooks = _HookDict()
-        self.grad_fn._register_hook_dict(self)
-        key = id(self.grad_fn)
-        _entry(self.grad_fn).tensor_pre.append(
-            (self.output_nr, weakref.ref(self._backward_hooks, lambda _: _drop_if_dead(key))))
-    return _orig_register_hook(self, hook)
+def register_hook(self, hook):
+    if has_torch_function_unary(self):
+        # torch dispatches to the subclass, which calls back here with its
+        # __torch_function__ disabled: notes are taken then, reading nothing now.
+        return _orig_register_hook(self, hook)
+    fresh = self._backward_hooks is None
+    handle = _orig_register_hook(self, hook)
+    node = self.grad_fn
+    if fresh and node is not None:
+        key = id(node)
+        entry = _tensor_pre.get(key)
+        if entry is None or entry.witness != _witness(node):
+            entry = _tensor_pre[key] = _TensorHooks(_witness(node), [])
+        entry.dicts.append((self.output_nr, weakref.ref(self._backward_hooks,
+                                                        lambda _, key=key: _prune_tensor_pre(key))))
+    return handle
 
 
-def _retain_grad(self):
-    _orig_retain_grad(self)
-    if self.grad_fn is not None:
-        _retained.add(self)
+def retain_grad(self):
+    result = _orig_retain_grad(self)
+    if not has_torch_function_unary(self) and self.grad_fn is not None:
+        key = id(self)
+        if key not in _retained or _retained[key]() is not self:
+            _retained[key] = weakref.ref(self, lambda ref, key=key: _forget(_retained, key, ref))
+    return result
 
 
-def _node_register(backward_hooks, hook):
-    if backward_hooks is None:
-        backward_hooks = _HookDict()
-        target = _receiver(sys._getframe(1))
-        if target is None:
-            key = id(backward_hooks)
-            _unattributed[key] = weakref.ref(backward_hooks, lambda _: _unattributed.pop(key, None))
-        else:
-            node, kind = target
-            key = id(node)
-            getattr(_entry(node), kind).append(weakref.ref(backward_hooks, lambda _: _drop_if_dead(key)))
-    return _orig_node_register(backward_hooks, hook)
+def _register_node_hook(backward_hooks, hook):
+    if _probe.active:
+        raise _ProbeAnswer(backward_hooks)
+    result = _orig_node_register(backward_hooks, hook)
+    if backward_hooks is None:  # a new dict, attached to its node when this returns
+        created = result[0]
+        key = id(created)
+        _node_dicts[key] = weakref.ref(created, lambda ref, key=key: _forget(_node_dicts, key, ref))
+    return result
 
 
-_LOADS = {"LOAD_FAST", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_CLOSURE"}
-_METHODS = {"register_hook": "post", "register_prehook": "pre"}
-
-
-def _receiver(frame):
-    """(node, "pre"|"post") for a call ``name.register_hook(...)`` in ``frame``, else None."""
-    code, lasti = frame.f_code, frame.f_lasti
-    key = (code, lasti)
-    if key not in _attribution_cache:
-        _attribution_cache[key] = _call_pattern(code, lasti)
-    pattern = _attribution_cache[key]
-    if pattern is None:
-        return None
-    opname, name, kind = pattern
-    if opname == "LOAD_FAST" or opname == "LOAD_NAME":
-        obj = frame.f_locals.get(name, frame.f_globals.get(name))
-    elif opname == "LOAD_GLOBAL":
-        obj = frame.f_globals.get(name)
-    else:
-        obj = frame.f_locals.get(name)
-    if obj is None or not isinstance(obj, torch.autograd.graph.Node):
-        return None
-    return obj, kind
-
-
-def _call_pattern(code, lasti):
-    instructions = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG")]
-    at = [k for k, ins in enumerate(instructions) if ins.offset <= lasti]
-    if not at:
-        return None
-    k = at[-1]
-    # Walk back from the call to the method load; the instruction before it loads
-    # the receiver.  Only a plain variable is accepted.
-    while k > 0:
-        ins = instructions[k]
-        if ins.opname in ("LOAD_METHOD", "LOAD_ATTR") and ins.argval in _METHODS:
-            prev = instructions[k - 1]
-            if prev.opname in _LOADS:
-                return prev.opname, prev.argval, _METHODS[ins.argval]
-            return None
-        k -= 1
-    return None
+def _prune_tensor_pre(key: int) -> None:
+    entry = _tensor_pre.get(key)
+    if entry is not None:
+        entry.dicts = [e for e in entry.dicts if e[1]() is not None]
+        if not entry.dicts:
+            del _tensor_pre[key]
 
 
 def install() -> None:
     """Wrap the registration functions (idempotent)."""
-    if torch.Tensor.register_hook is not _register_hook:
-        _register_hook.__doc__ = _orig_register_hook.__doc__
-        _retain_grad.__doc__ = _orig_retain_grad.__doc__
-        torch.Tensor.register_hook = _register_hook
-        torch.Tensor.retain_grad = _retain_grad
-        _HookMixin._register_hook = staticmethod(_node_register)
+    if torch.Tensor.register_hook is not register_hook:
+        for wrapper, orig in ((register_hook, _orig_register_hook), (retain_grad, _orig_retain_grad)):
+            wrapper.__doc__ = orig.__doc__
+            wrapper.__qualname__ = f"Tensor.{orig.__name__}"
+            wrapper.__module__ = getattr(orig, "__module__", None) or "torch._tensor"
+        torch.Tensor.register_hook = register_hook
+        torch.Tensor.retain_grad = retain_grad
+        _HookMixin._register_hook = staticmethod(_register_node_hook)
 
 
 def active() -> bool:
-    """Cheap test: could any node of a graph have hooks recorded here?"""
-    return bool(_by_node) or bool(_unattributed) or bool(_retained)
+    """Cheap test: could any node of a graph have hooks this module must find?"""
+    return bool(_tensor_pre) or bool(_retained) or bool(_node_dicts)
+
+
+def _probe_node(node) -> tuple:
+    """(pre-hook dict, post-hook dict) of ``node``, each None if it has none."""
+    _probe.active = True
+    try:
+        try:
+            node.register_prehook(None)
+            raise AssertionError("gradfx's node-hook probe was not answered")
+        except _ProbeAnswer as answer:
+            pre = answer.args[0]
+        try:
+            node.register_hook(None)
+            raise AssertionError("gradfx's node-hook probe was not answered")
+        except _ProbeAnswer as answer:
+            post = answer.args[0]
+    finally:
+        _probe.active = False
+    return pre, post
+
+
+def node_hooks(node) -> NodeHooks | None:
+    """The hooks of ``node`` that hold at least one hook (None if it has none)."""
+    found = None
+    entry = _tensor_pre.get(id(node))
+    if entry is not None and entry.witness == _witness(node):
+        dicts = [(nr, d) for nr, ref in entry.dicts if (d := ref())]
+        if dicts:
+            found = NodeHooks(tensor_pre=dicts)
+    if _node_dicts:
+        pre, post = _probe_node(node)
+        if pre or post:
+            found = found or NodeHooks()
+            found.pre = pre or None
+            found.post = post or None
+    return found
 
 
 def none_on(nodes) -> bool:
     """True if no recorded hook or retain_grad() applies to any of ``nodes``."""
-    if unattributed():
-        return False
-    if _by_node:
+    if _tensor_pre or _node_dicts:
         for node in nodes:
-            if id(node) in _by_node and node_hooks(node) is not None:
+            if node_hooks(node) is not None:
                 return False
     if _retained:
         ids = set(map(id, nodes))
-        for tensor in list(_retained):
-            if tensor.retains_grad and id(tensor.grad_fn) in ids:
+        for ref in list(_retained.values()):
+            tensor = ref()
+            if tensor is not None and tensor.retains_grad and id(tensor.grad_fn) in ids:
                 return False
     return True
-
-
-def unattributed() -> bool:
-    """Is some node hook registered on a node gradfx could not identify?"""
-    return any(ref() for ref in list(_unattributed.values()))
-
-
-def node_hooks(node) -> NodeHooks | None:
-    """The recorded hooks of ``node`` (None if it has none)."""
-    entry = _by_node.get(id(node))
-    if entry is None:
-        return None
-    if entry.witness != _witness(node) or entry.prune():
-        del _by_node[id(node)]
-        return None
-    return entry
 
 
 def retained_in(index: dict) -> list:
     """(node index, output_nr, tensor) for retain_grad() tensors whose node is in ``index``."""
     found = []
-    for tensor in list(_retained):
+    for ref in list(_retained.values()):
+        tensor = ref()
+        if tensor is None or not tensor.retains_grad:
+            continue
         node = tensor.grad_fn
-        if node is not None and tensor.retains_grad:
+        if node is not None:
             i = index.get(id(node))
             if i is not None:
                 found.append((i, tensor.output_nr, tensor))

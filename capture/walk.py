@@ -274,11 +274,6 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
     hooks_seen = hook_registry.active()
     retained: dict[int, list] = {}
     if hooks_seen:
-        if hook_registry.unattributed():
-            raise _Fallback(
-                "a grad_fn.register_hook/register_prehook hook was registered on a node gradfx "
-                "could not identify (register through a variable, e.g. `fn = t.grad_fn; "
-                "fn.register_hook(h)`, so that gradfx can capture it)")
         for i, nr, tensor in hook_registry.retained_in(index):
             retained.setdefault(i, []).append((nr, tensor))
 
@@ -368,18 +363,12 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
                                         for h in var._post_accumulate_grad_hooks.values()]
         recorded = hook_registry.node_hooks(node) if hooks_seen else None
         if recorded is not None:
-            for nr, ref in recorded.tensor_pre:
-                d = ref()
-                if d:
-                    spec.tensor_pre.append((nr, [add_input(h, "hook", i) for h in d.values()]))
-            for ref in recorded.pre:
-                d = ref()
-                if d:
-                    spec.pre.extend(add_input(h, "hook", i) for h in d.values())
-            for ref in recorded.post:
-                d = ref()
-                if d:
-                    spec.post.extend(add_input(h, "hook", i) for h in d.values())
+            for nr, d in recorded.tensor_pre:
+                spec.tensor_pre.append((nr, [add_input(h, "hook", i) for h in d.values()]))
+            if recorded.pre:
+                spec.pre = [add_input(h, "hook", i) for h in recorded.pre.values()]
+            if recorded.post:
+                spec.post = [add_input(h, "hook", i) for h in recorded.post.values()]
         for nr, tensor in retained.get(i, ()):
             spec.retain.append((nr, add_input(tensor, "retained", i)))
         if spec.tensor_pre or spec.retain or spec.pre or spec.post or spec.post_accumulate:

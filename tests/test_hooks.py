@@ -220,15 +220,38 @@ def test_steal_semantics_when_a_hook_keeps_the_gradient():
     assert run(True) == run(False)
 
 
-def test_unattributable_node_hook_falls_back_and_strict_raises():
-    x = torch.randn(3, requires_grad=True)
-    y = x * 3
-    y.grad_fn.register_prehook(lambda go: None)  # receiver is an expression
-    with pytest.warns(gradfx.FallbackWarning, match="could not identify"):
-        with gradfx.compiled_autograd():
-            y.sum().backward()
-    z = x * 3
-    z.grad_fn.register_hook(lambda gi, go: None)
-    with gradfx.compiled_autograd(strict=True):
-        with pytest.raises(gradfx.Unsupported):
-            z.sum().backward()
+def test_node_hooks_registered_through_expressions():
+    # However the receiver is written, the hooks are read from the node itself.
+    def build(log):
+        model = _mlp()
+        params = list(model.parameters())
+
+        def step():
+            h = model[0](torch.randn(4, 6)).relu()
+            h.grad_fn.register_prehook(lambda go: log.append(("pre", _snap(go))))
+            h.grad_fn.register_hook(lambda gi, go: log.append(("post", _snap(gi), _snap(go))))
+            y = model[2](h).tanh()
+            y.grad_fn.next_functions[0][0].register_hook(lambda gi, go: log.append(("addmm", _snap(gi))))
+            model[4].weight.view_as(model[4].weight).grad_fn.next_functions[0][0].register_prehook(
+                lambda go: log.append(("acc pre", _snap(go))))
+            [y.grad_fn][0].register_prehook(lambda go: (go[0] * 2,))
+            model[4](y).sum().backward()
+        return params, step
+    run_both(build, strict=True)
+
+
+def test_node_hooks_added_and_removed_between_cached_steps():
+    def build(log):
+        model = _mlp()
+        params = list(model.parameters())
+        handles = []
+
+        def step():
+            h = model[0](torch.randn(4, 6)).relu()
+            if len(log) % 2 == 0:
+                handles.append(h.grad_fn.register_hook(lambda gi, go: log.append(("post", _snap(gi)))))
+            handles.append(h.grad_fn.register_prehook(lambda go: log.append(("pre", _snap(go)))))
+            handles.pop().remove()
+            model[4](model[2](h).tanh()).sum().backward()
+        return params, step
+    run_both(build, iterations=4, expect_captures=2, strict=True)
