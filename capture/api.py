@@ -30,6 +30,10 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
     ``backward()`` on the same outputs behaves as if ``capture`` was never called.
     """
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    for t in outputs + ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())):
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            # Reading a subclass's autograd graph would call its __torch_function__.
+            raise Unsupported(f"gradfx.capture of a tensor subclass ({type(t).__name__})")
     if grad_outputs is None:
         grad_outputs = (None,) * len(outputs)
     elif isinstance(grad_outputs, torch.Tensor):

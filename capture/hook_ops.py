@@ -141,6 +141,10 @@ class graph_task:
 
     def __exit__(self, *exc):
         _task.state = self.prev
+        if self.prev is None:  # outside gradfx's backwards torch answers for itself
+            torch._C._current_graph_task_id = _real_task_id
+            torch._C._will_engine_execute_node = _real_will_execute
+            torch._C._autograd._get_current_graph_task_keep_graph = _real_keep_graph
 
 
 HOOK_CALLS = {call_tensor_hook, call_pre_hook, call_post_hook, retain_grad, call_post_accumulate_hook}
