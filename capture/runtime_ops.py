@@ -56,8 +56,10 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool)
         return
     old = variable.grad
     if old is None:
-        if (may_steal and sys.getrefcount(grad) <= _UNSHARED_REFS and grad._use_count() <= 1
-                and not grad.is_sparse and _obeys_layout_contract(grad, variable)):
+        unshared = may_steal and sys.getrefcount(grad) <= _UNSHARED_REFS and grad._use_count() <= 1
+        if grad.is_sparse:
+            variable.grad = _sparse_first_grad(grad, unshared)
+        elif unshared and _obeys_layout_contract(grad, variable):
             variable.grad = grad.detach()
         else:
             variable.grad = _clone_obey_contract(grad, variable)
@@ -65,6 +67,16 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool)
         variable.grad = grad + old
     else:
         old += grad
+
+
+def _sparse_first_grad(grad: torch.Tensor, unshared: bool) -> torch.Tensor:
+    # A sparse tensor cannot be detached; eager shares its indices and values in a
+    # new sparse tensor when nothing else holds it, else clones it.
+    indices, values = grad._indices(), grad._values()
+    if unshared and indices.is_contiguous() and values.is_contiguous():
+        return torch.sparse_coo_tensor(indices, values, grad.shape, dtype=grad.dtype, device=grad.device,
+                                       check_invariants=False)
+    return grad.clone()
 
 
 def call_node(node, metas, must_be_defined, *grads):
