@@ -25,6 +25,19 @@ from typing import Callable
 
 RULES: dict[str, Callable] = {}
 
+# Node types whose C++ formula computes differently while being traced, so the
+# graph calls the real node instead (bitwise eager by construction).  Their
+# formulas branch on ``isTensorSubclassLike``, which is true whenever a dispatch
+# mode is active (always, while tracing), and take a composite path there that
+# rounds differently from eager's; eager's path also branches on the data
+# (whether an input holds zeros), which no traced graph can replay.
+RUN_REAL: dict[str, str] = {
+    "MaskedFillBackward1": "masked_fill_backward: masked_select(mask).sum() in eager, where(mask).sum() traced",
+    "ProdBackward0": "prod_backward: branches on zeros in the input; result / input in eager",
+    "ProdBackward1": "prod_backward (dim): branches on zeros in the input; result / input in eager",
+    "CumprodBackward0": "cumprod_backward: branches on zeros in the input",
+}
+
 
 def rule(node_name: str):
     """Register a backward rule for autograd nodes named ``node_name``."""

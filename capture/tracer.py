@@ -34,7 +34,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from . import hook_ops, runtime_ops
 from .ready_queue import ReadyQueue
-from .rules import apply_rule
+from .rules import RUN_REAL, apply_rule
 from .shapes import SymbolicSizes
 from .saved_tensors import substitute
 from .walk import ACCUMULATE, FUNCTION, OPAQUE, TRACED, BackwardCall
@@ -222,6 +222,9 @@ class _Tracer:
 
     # -- running one node ----------------------------------------------------
     def run_traced(self, i, node, grads):
+        if type(node).__name__ in RUN_REAL:
+            log.debug("gradfx: %s runs opaque (%s)", self.call.node_label(i), RUN_REAL[type(node).__name__])
+            return None
         graph = self.tracer.graph
         before = list(graph.nodes)[-1]
         try:
