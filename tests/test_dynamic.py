@@ -119,3 +119,25 @@ def test_structure_miss_is_explained(caplog):
             x.pow(2.0).sum().backward()
             x.pow(3.0).sum().backward()
     assert any("new structure" in r.message and "node" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("dynamic", [True, "auto"])
+def test_attention_block_over_sequence_lengths(dynamic):
+    # qkv split into heads, a key cache (cat with an empty tensor), SDPA with dropout:
+    # a guard with an `or` once accepted sizes it had to reject (a crash or worse).
+    from test_guards import Attention
+    torch.manual_seed(0)
+    eager = Attention()
+    gfx = copy.deepcopy(eager)
+    for length in (16, 32, 24, 40):
+        x = torch.randn(2, length, 16)
+        for model, block in ((eager, None), (gfx, gradfx.compiled_autograd(dynamic=dynamic, strict=True))):
+            model.zero_grad()
+            torch.manual_seed(length)
+            loss = model(x).square().mean()
+            if block is None:
+                loss.backward()
+            else:
+                with block:
+                    loss.backward()
+        assert_same(grads_of(eager.parameters()), grads_of(gfx.parameters()))
