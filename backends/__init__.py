@@ -54,11 +54,58 @@ def lookup(backend) -> tuple[str, Backend]:
     raise ValueError(f"unknown gradfx backend {backend!r}; known backends: {list_backends()}")
 
 
+def takes_plain_graph(fn) -> Backend:
+    """Mark a backend that runs gradfx's own graph (its Python runtime calls) as it is."""
+    fn._gradfx_plain_graph = True
+    return fn
+
+
+class CompileFailedAtRun(Exception):
+    """A backend's compiled code failed to compile when first called (torch.compile
+    compiles lazily); nothing of the graph ran."""
+
+    def __init__(self, err: BaseException):
+        super().__init__(f"{type(err).__name__}: {err}")
+        self.error = err
+
+
 def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list) -> Callable:
-    """Call a backend with the two-argument protocol, or the one-argument one."""
+    """Compile ``gm`` with a backend (two-argument protocol, or one-argument).
+
+    gradfx's own backends take the graph as captured; every other backend gets
+    the form compilers trace whole (``traceable``), and the callable it returns
+    is called through the adapter of that form's inputs.
+    """
+    if getattr(fn, "_gradfx_plain_graph", False):
+        return _call(fn, gm, example_inputs)
+    from .traceable import prepare
+    traced_gm, adapt = prepare(gm, example_inputs)
+    compiled = _call(fn, traced_gm, adapt(example_inputs))
+    if not callable(compiled):
+        raise TypeError(f"the backend returned {type(compiled).__name__}, not a callable")
+
+    def run(*args):
+        try:
+            return compiled(*adapt(args))
+        except Exception as err:
+            if _is_compile_error(err):
+                raise CompileFailedAtRun(err) from err
+            raise
+    run._gradfx_compiled = compiled
+    return run
+
+
+def _call(fn, gm, example_inputs):
     if _takes_one_argument(fn):
         return fn(gm)
     return fn(gm, example_inputs)
+
+
+def _is_compile_error(err: BaseException) -> bool:
+    """Did dynamo fail while compiling (before any of the graph ran)?"""
+    import sys
+    exc = sys.modules.get("torch._dynamo.exc")
+    return exc is not None and isinstance(err, exc.TorchDynamoException)
 
 
 def _takes_one_argument(fn) -> bool:

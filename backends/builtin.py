@@ -11,13 +11,14 @@ import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
 from ..reorder.memory import frees_inputs_early
-from . import register_backend
+from . import register_backend, takes_plain_graph
 from .split import runner, split
 
 log = logging.getLogger("gradfx")
 
 
 @register_backend("eager")
+@takes_plain_graph
 def eager(gm: fx.GraphModule, example_inputs: list):
     """Run the graph as generated Python.
 
@@ -73,11 +74,12 @@ def _aot_eager_compile(pure: fx.GraphModule, example_inputs: list):
     return functional.forward
 
 
-register_backend("inductor", _split_backend("inductor", _inductor_compile))
-register_backend("aot_eager", _split_backend("aot_eager", _aot_eager_compile))
+register_backend("inductor", takes_plain_graph(_split_backend("inductor", _inductor_compile)))
+register_backend("aot_eager", takes_plain_graph(_split_backend("aot_eager", _aot_eager_compile)))
 
 
 @register_backend("debug")
+@takes_plain_graph
 def debug(gm: fx.GraphModule, example_inputs: list):
     """Run node by node, checking every tensor against the traced metadata.
 

@@ -4,8 +4,11 @@
 call ``Variable._execution_engine.run_backward``.  gradfx puts a thin object in
 its place (once, on first use) that hands calls to the innermost active session
 on the calling thread and passes everything else straight to the C++ engine.
-Calls torch makes for itself (torch.compile tracing joint graphs on fake tensors,
-under a dispatch mode) go straight to the engine, uncounted.
+Calls torch makes for itself (AOTAutograd tracing a joint graph on fake or
+functional tensors under its tracing modes, functorch transforms) go straight to
+the engine, uncounted.  A user's ``loss.backward()`` inside a ``torch.compile``'d
+function reaches here after dynamo breaks the graph at it: that one is captured
+like any other, and dynamo is kept out of gradfx's own frames.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class RoutingEngine:
     def run_backward(self, tensors, *args, **kwargs):
         from .session import current
         session = current()
-        if session is None or _torch_internal(tensors):
+        if session is None or torch_internal(tensors):
             return self.engine.run_backward(tensors, *args, **kwargs)
         return session.run_backward(self.engine, tensors, *args, **kwargs)
 
@@ -77,14 +80,36 @@ class running_backward:
             _running.stack.pop()
 
 
-def _torch_internal(tensors) -> bool:
-    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
-        return True
+def torch_internal(tensors) -> bool:
+    """Is this backward torch's own (tracing, functorch), not the user's?"""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
-    return any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in tensors)
+    for t in tensors:
+        if (isinstance(t, (FakeTensor, FunctionalTensor)) or t.is_meta or torch._is_functional_tensor(t)
+                or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+            return True
+    if torch._C._len_torch_dispatch_stack() == 0 and not _infra_modes():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return any(type(m).__name__ in _TRACING_MODES for m in _get_current_dispatch_mode_stack())
+
+
+# torch's own tracing modes; a user's TorchDispatchMode (FlopCounterMode, ...) is not one.
+_TRACING_MODES = frozenset({"ProxyTorchDispatchMode", "FakeTensorMode", "FunctionalTensorMode"})
+
+
+def _infra_modes() -> bool:
+    from torch._C import _TorchDispatchModeKey as Key
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (Key.FAKE, Key.PROXY, Key.FUNCTIONAL))
 
 
 def install() -> None:
     if not isinstance(Variable._execution_engine, RoutingEngine):
+        # dynamo must not trace gradfx: a user's backward after a graph break runs
+        # while dynamo's frame callback is still set.
+        if not getattr(RoutingEngine.run_backward, "_gradfx_disabled", False):
+            import torch._dynamo
+            run_backward = torch._dynamo.disable(RoutingEngine.run_backward, recursive=True)
+            run_backward._gradfx_disabled = True
+            RoutingEngine.run_backward = run_backward
         Variable._execution_engine = RoutingEngine(Variable._execution_engine)

@@ -60,7 +60,8 @@ def current() -> "Session | None":
 class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
-    __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions")
+    __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
+                 "verified")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
                  guard, size_positions=()):
@@ -73,6 +74,9 @@ class CompiledBackward:
         self.runs_python = runs_python
         self.guard = guard
         self.size_positions = size_positions  # sizes passed to the graph, before its inputs
+        # A compiler's code may compile lazily, on its first call: until that call has
+        # succeeded, nothing is released before the run (a failure falls back intact).
+        self.verified = getattr(fn, "_gradfx_compiled", None) is None
 
 
 class Session:
@@ -137,7 +141,7 @@ class Session:
                 self._count("cache_hits")
         except _Fallback as fb:
             return self._fallback(engine, args, fb.reason)
-        results = _run(entry, call, keep_graph)
+        results = self._run(entry, call, keep_graph)
         if not accumulate_grad:
             if not allow_unreachable and any(r is None for r in results):
                 raise RuntimeError(UNUSED_INPUT_MESSAGE)
@@ -262,12 +266,7 @@ class Session:
         try:
             compiled = backends.compile_with(self.backend_fn, gm, example_inputs)
         except Exception as err:
-            if self.strict:
-                raise Unsupported(f"backend {self.backend_name!r} failed to compile: {err}") from err
-            reason = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err}); using eager"
-            if reason not in self._warned:
-                self._warned.add(reason)
-                warnings.warn(f"gradfx: {reason}", FallbackWarning, stacklevel=5)
+            self._compile_failed(err)
             compiled = backends.compile_with(backends.lookup("eager")[1], gm, example_inputs)
         seconds = time.perf_counter() - start
         level = logging.INFO if seconds > 1.0 else logging.DEBUG
@@ -275,35 +274,55 @@ class Session:
                 len(gm.graph.nodes), seconds)
         return compiled
 
+    def _compile_failed(self, err: BaseException) -> None:
+        """Strict: raise Unsupported; else warn once (the caller uses the eager backend)."""
+        if self.strict:
+            raise Unsupported(f"backend {self.backend_name!r} failed to compile: {err}") from err
+        reason = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err}); using eager"
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"gradfx: {reason}", FallbackWarning, stacklevel=6)
 
-def _run(entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
-    inputs = call.inputs
-    if entry.size_positions:
-        sizes = call.sizes
-        inputs = [sizes[p] for p in entry.size_positions] + inputs
-    call.inputs = None  # the compiled graph becomes the only owner of its inputs
-    owned = call.owned
-    if not keep_graph:
-        # Traced nodes' saved tensors now live only in `inputs`, so the graph frees
-        # each at its last use; opaque nodes still read theirs and are released after.
-        late = entry.release_after
-        for i, saved in enumerate(owned):
-            if saved is not None and i not in late:
-                saved.release()
-    task = hook_ops.graph_task(call.executed_ids, keep_graph) if entry.runs_python else contextlib.nullcontext()
-    try:
-        with torch.no_grad(), task, routing.running_backward():
-            if entry.boxed is not None:
-                out = entry.boxed(inputs)
-            else:
-                out = entry.fn(*inputs)
-                inputs.clear()
-    except Exception as err:
-        explain.annotate_error(err, entry.captured.graph_module)
-        raise
-    del inputs
-    if not keep_graph:
-        for i in entry.release_after:
-            if owned[i] is not None:
-                owned[i].release()
+    def _run(self, entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
+        inputs = call.inputs
+        if entry.size_positions:
+            sizes = call.sizes
+            inputs = [sizes[p] for p in entry.size_positions] + inputs
+        call.inputs = None  # the compiled graph becomes the only owner of its inputs
+        owned = call.owned
+        release_now = not keep_graph and entry.verified
+        if release_now:
+            # Traced nodes' saved tensors now live only in `inputs`, so the graph frees
+            # each at its last use; opaque nodes still read theirs and are released after.
+            late = entry.release_after
+            for i, saved in enumerate(owned):
+                if saved is not None and i not in late:
+                    saved.release()
+        task = hook_ops.graph_task(call.executed_ids, keep_graph) if entry.runs_python else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), task, routing.running_backward():
+                try:
+                    out = _call_entry(entry, inputs)
+                except backends.CompileFailedAtRun as failed:  # nothing ran: use the eager backend
+                    self._compile_failed(failed.error)
+                    entry.fn = backends.compile_with(backends.lookup("eager")[1], entry.captured.graph_module, [])
+                    entry.boxed = getattr(entry.fn, "_boxed", None)
+                    out = _call_entry(entry, inputs)
+        except Exception as err:
+            explain.annotate_error(err, entry.captured.graph_module)
+            raise
+        entry.verified = True
+        del inputs
+        if not keep_graph:
+            for i in (entry.release_after if release_now else range(len(owned))):
+                if owned[i] is not None:
+                    owned[i].release()
+        return out
+
+
+def _call_entry(entry: CompiledBackward, inputs: list):
+    if entry.boxed is not None:
+        return entry.boxed(inputs)
+    out = entry.fn(*inputs)
+    inputs.clear()
     return out

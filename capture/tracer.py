@@ -116,6 +116,7 @@ class _Tracer:
             owner = call.input_owner[i]
             if owner >= 0:
                 proxy.node.meta["gradfx_node"] = call.node_label(owner)
+                proxy.node.meta["gradfx_owner"] = owner
             if kind in ("grad", "saved"):
                 fake = self.fake_tensor(i, value)
                 track_tensor_tree(fake, proxy, constant=None, tracer=self.tracer)
@@ -163,6 +164,7 @@ class _Tracer:
         """
         proxy = self.record(fn, tuple(self.arg(a) for a in args), label)
         proxy.node.meta["gradfx_kind"] = kind
+        self.last_call = proxy.node
         if like is None and not isinstance(like, tuple):
             return None
         single = not isinstance(like, tuple)
@@ -279,9 +281,19 @@ class _Tracer:
                 metas.append((shape, dtype))
                 with disable_proxy_modes_tracing():
                     like.append(torch.empty(shape, dtype=dtype, device=device))
-        fn = runtime_ops.call_backward if isinstance(node, BackwardCFunction) else runtime_ops.call_node
+        function = isinstance(node, BackwardCFunction)
+        if function and node.__dict__.get("_gradfx_materialize_grads", True):
+            # PyNode's zeros for gradients known to be None here (the graph shows them);
+            # call_backward still materializes those that turn out None at run time.
+            grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1], device=self.meta(i, k)[2])
+                     if g is None else g for k, g in enumerate(grads)]
+        fn = runtime_ops.call_backward if function else runtime_ops.call_node
         outs = self.python_call(fn, (_Input(node_input), tuple(metas), (False,) * len(metas)) + tuple(grads),
                                 tuple(like), label, "opaque")
+        call = self.last_call
+        call.meta["gradfx_owner"] = i
+        if function and self.call.owned[i] is not None:
+            call.meta["gradfx_saved_mask"] = self.call.owned[i].mask
         for o in outs:
             if o is not None:
                 self.maybe_none.add(id(o))

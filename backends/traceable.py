@@ -1,0 +1,310 @@
+"""The captured graph in the form compilers trace whole.
+
+The graph gradfx runs itself calls plain Python helpers chosen for eager speed
+and exact semantics: ``accumulate_grad`` reads reference counts to decide
+whether it may steal a gradient, ``call_backward`` goes through ``ctx.apply``,
+``call_node`` takes a live autograd node.  Dynamo cannot trace those.  Before a
+graph goes to a compiler (any backend but gradfx's own eager and debug ones) a
+copy is rewritten:
+
+* ``accumulate_grad`` -> :func:`accumulate`: tensor code dynamo inlines.  The
+  first gradient is stolen where the graph shows that nothing else can see it
+  (no later use, never handed to or returned by a hook), else copied into the
+  parameter's layout; later ones are added in place, so ``.grad`` keeps its
+  identity and layout as in eager;
+* ``call_backward`` of a custom Function -> the user's ``backward`` called with a
+  context rebuilt from the node's saved-tensor inputs and its attributes (the
+  ctx input becomes ``ctx.__dict__``), so dynamo inlines the user's code;
+* ``call_node`` (a builtin node that could not be traced), and the backward of
+  a Function that cannot be inlined (checkpointing, compiled regions) ->
+  ``torch.ops.gradfx.run_node``, a custom op keyed by a slot number: the live
+  node is put in a per-thread table for each call, and the op's fake kernel
+  gives outputs of the traced shapes;
+* hook calls stay as they are: dynamo inlines them, guarding on the hook's code,
+  not on the hook object, so hooks recreated every step reuse the compiled code.
+
+:func:`prepare` returns the rewritten graph and an :class:`Adapter` that turns
+gradfx's runtime inputs into what that graph takes.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+import operator
+import threading
+
+import torch
+import torch.fx as fx
+
+from ..capture import hook_ops, runtime_ops
+
+# Custom Functions whose backward dynamo cannot inline: they run as the custom op.
+_OPAQUE_FUNCTIONS = ("CheckpointFunction", "CompiledFunction")
+
+
+# -- accumulation ---------------------------------------------------------------
+
+def _layout_ok(grad: torch.Tensor, variable: torch.Tensor) -> bool:
+    """AccumulateGrad's layout contract, from sizes and strides only (dynamo folds it)."""
+    if grad.is_contiguous() and variable.is_contiguous():
+        return True
+    for size, stride, vstride in zip(grad.shape, grad.stride(), variable.stride()):
+        if size != 1 and stride != vstride:
+            return False
+    return True
+
+
+def accumulate(variable, grad, may_steal: bool) -> None:
+    """AccumulateGrad (grad mode off) in a form dynamo inlines (see the module doc)."""
+    if grad is None or not variable.requires_grad:
+        return
+    old = variable.grad
+    if old is None:
+        if may_steal and not grad.is_sparse and _layout_ok(grad, variable):
+            variable.grad = grad.detach()
+        elif grad.is_sparse:
+            variable.grad = grad.clone()
+        else:
+            out = torch.empty_strided(variable.shape, variable.stride(), dtype=grad.dtype, device=grad.device)
+            out.copy_(grad)
+            variable.grad = out
+    elif old.is_sparse and not grad.is_sparse:
+        variable.grad = grad + old
+    else:
+        old.add_(grad)
+
+
+# -- custom Functions -------------------------------------------------------------
+
+class RebuiltContext:
+    """What a custom Function's backward reads from ctx, rebuilt inside the graph."""
+
+    def __init__(self, attrs: dict, saved: tuple, needs_input_grad: tuple):
+        self.saved_tensors = saved
+        self.needs_input_grad = needs_input_grad
+        self._attrs = attrs
+
+    def __getattr__(self, name):
+        try:
+            return self._attrs[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+_callers: dict = {}
+
+
+def backward_caller(function_class):
+    """The graph target that calls ``function_class.backward`` with a rebuilt context.
+
+    One per class: the user's function is resolved here, outside any tracing.
+    """
+    caller = _callers.get(function_class)
+    if caller is None:
+        backward = inspect.getattr_static(function_class, "backward").__func__
+        name = function_class.__name__
+
+        def caller(attrs, saved, needs_input_grad, valid_edges, metas, must_be_defined, *grads):
+            result = backward(RebuiltContext(attrs, saved, needs_input_grad), *grads)
+            if type(result) is not tuple:
+                result = (result,)
+            n = len(needs_input_grad)
+            if len(result) > n and all(r is None for r in result[n:]):
+                result = result[:n]
+            if len(result) != n:
+                raise RuntimeError(f"function {name}Backward returned an incorrect number of gradients "
+                                   f"(expected {n}, got {len(result)})")
+            wanted = [r for r, need in zip(result, needs_input_grad) if need]
+            outs, k = [], 0
+            for valid in valid_edges:
+                outs.append(wanted[k] if valid else None)
+                k += valid
+            return runtime_ops.finish_outputs(f"{name}Backward", tuple(outs), metas, must_be_defined)
+
+        caller.__name__ = caller.__qualname__ = f"backward_of_{name}"
+        _callers[function_class] = caller
+    return caller
+
+
+# -- opaque nodes as a custom op --------------------------------------------------
+
+class _Live(threading.local):
+    nodes: dict = {}
+
+
+_live = _Live()
+_slots = itertools.count()
+_slot_outputs: dict[int, tuple] = {}  # slot -> ((ndim, dtype, device) per defined output)
+_op = None
+
+
+def _run_node_op():
+    """torch.ops.gradfx.run_node, defined on first use (no import-time registration)."""
+    global _op
+    if _op is not None:
+        return _op
+    from torch._higher_order_ops.effects import EffectType
+    from torch.library import _register_effectful_op, custom_op
+
+    @custom_op("gradfx::run_node", mutates_args=())
+    def run_node(slot: int, grads: list[torch.Tensor | None], sizes: list[int]) -> list[torch.Tensor]:
+        node = _live.nodes[slot]
+        outputs = _slot_outputs[slot]
+        metas, at = [], 0
+        for ndim, dtype, _ in outputs:
+            metas.append((torch.Size(sizes[at:at + ndim]), dtype))
+            at += ndim
+        edges = _edge_metas(node, metas)
+        defined = (True,) * len(edges)  # a custom op cannot return None: say so by name
+        call = runtime_ops.call_backward if isinstance(node, torch.autograd.function.BackwardCFunction) \
+            else runtime_ops.call_node
+        outs = call(node, edges, defined, *grads)
+        result = []
+        for out in outs:
+            if out is None:
+                continue
+            if any(g is not None and out.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()
+                   for g in grads):
+                out = out.clone()  # a custom op must not return a view of its inputs
+            result.append(out)
+        if len(result) != len(outputs):
+            raise RuntimeError("gradfx: an opaque autograd node returned no gradient where the compiled "
+                               "graph expects one; run this backward with backend='eager'")
+        return result
+
+    @run_node.register_fake
+    def _(slot, grads, sizes):
+        out, at = [], 0
+        for ndim, dtype, device in _slot_outputs[slot]:
+            out.append(torch.empty(sizes[at:at + ndim], dtype=dtype, device=device))
+            at += ndim
+        return out
+
+    # Ordered side effects: compilers must neither drop nor reorder the call.
+    _register_effectful_op(torch.ops.gradfx.run_node.default, EffectType.ORDERED)
+    _op = torch.ops.gradfx.run_node.default
+    return _op
+
+
+def _edge_metas(node, defined: list) -> tuple:
+    """(shape, dtype) per edge, as call_node/call_backward validate them (None: no edge)."""
+    it = iter(defined)
+    return tuple(None if child is None else next(it) for child, _ in node.next_functions)
+
+
+# -- the rewrite --------------------------------------------------------------------
+
+HOOK_CALLS = hook_ops.HOOK_CALLS
+
+
+def _seen_by_python(grad: fx.Node) -> bool:
+    """Could a hook hold this gradient?  It could if a hook call returned it (a hook
+    returning None hands back the tensor it saw) or takes it as an argument."""
+    source = grad.args[0] if grad.op == "call_function" and grad.target is operator.getitem else grad
+    if source.op == "call_function" and source.target in HOOK_CALLS:
+        return True
+    return any(u.op == "call_function" and u.target in HOOK_CALLS for u in grad.users)
+
+
+class Adapter:
+    """Turns gradfx's runtime inputs into the inputs of the rewritten graph."""
+
+    def __init__(self):
+        self.contexts: list[int] = []  # positions whose ctx becomes ctx.__dict__
+        self.slots: list[tuple[int, int]] = []  # (position, slot): live node into the table
+        self.detach: list[int] = []  # saved tensors and root gradients
+
+    def __call__(self, args) -> list:
+        args = list(args)
+        for pos in self.contexts:
+            args[pos] = args[pos].__dict__
+        nodes = _live.nodes
+        for pos, slot in self.slots:
+            nodes[slot] = args[pos]
+            args[pos] = None
+        for pos in self.detach:
+            # Saved tensors read from a node carry autograd metadata on some paths; a
+            # compiler guards on it, so every call hands over the same kind of tensor.
+            t = args[pos]
+            if t is not None and t.requires_grad:
+                args[pos] = t.detach()
+        return args
+
+
+def prepare(gm: fx.GraphModule, example_inputs: list):
+    """(the compiler-facing copy of ``gm``, the :class:`Adapter` for its inputs)."""
+    graph = copy.deepcopy(gm.graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    position = {n: k for k, n in enumerate(placeholders)}
+    adapter = Adapter()
+    adapter.detach = [position[n] for n in placeholders if n.meta.get("gradfx_kind") in ("saved", "grad")]
+    saved_of: dict[int, list] = {}
+    for n in placeholders:
+        if n.meta.get("gradfx_kind") == "saved":
+            saved_of.setdefault(n.meta["gradfx_owner"], []).append(n)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is runtime_ops.accumulate_grad:
+            leaf, grad, steal = node.args
+            steal = bool(steal) and isinstance(grad, fx.Node) and not _seen_by_python(grad)
+            node.target = accumulate
+            node.args = (leaf, grad, steal)
+        elif node.target is runtime_ops.call_backward:
+            ctx = example_inputs[position[node.args[0]]]
+            cls = type(ctx)._forward_cls
+            mask = node.meta.get("gradfx_saved_mask")
+            if mask is None or cls.__name__ in _OPAQUE_FUNCTIONS:
+                _as_custom_op(graph, node, adapter, position)
+            else:
+                _as_rebuilt_backward(graph, node, cls, ctx, mask, saved_of.get(node.meta["gradfx_owner"], []))
+                adapter.contexts.append(position[node.args[0]])
+        elif node.target is runtime_ops.call_node:
+            _as_custom_op(graph, node, adapter, position)
+    adapter.contexts = sorted(set(adapter.contexts))
+    graph.lint()
+    return fx.GraphModule(gm, graph), adapter
+
+
+def _as_rebuilt_backward(graph, node, cls, ctx, mask, saved_nodes):
+    it = iter(saved_nodes)
+    saved = tuple(next(it) if defined else None for defined in mask)
+    valid_edges = tuple(child is not None for child, _ in ctx.next_functions)
+    ctx_input, metas, must_be_defined, *grads = node.args
+    node.target = backward_caller(cls)
+    node.args = (ctx_input, saved, tuple(ctx.needs_input_grad), valid_edges, metas, must_be_defined, *grads)
+
+
+def _as_custom_op(graph, node, adapter, position):
+    """call_node / call_backward(node, metas, must_be_defined, *grads) -> run_node(slot, grads, sizes)."""
+    op = _run_node_op()
+    slot = next(_slots)
+    live, metas, _, *grads = node.args
+    by_edge = {user.args[1]: user for user in node.users}  # getitem of edge k
+    outputs, sizes, index = [], [], {}
+    for k, meta in enumerate(metas):
+        if meta is None:
+            continue
+        shape, dtype = meta
+        index[k] = len(outputs)
+        outputs.append((len(shape), dtype, _device_of(by_edge.get(k), grads)))
+        sizes.extend(shape)
+    _slot_outputs[slot] = tuple(outputs)
+    adapter.slots.append((position[live], slot))
+    with graph.inserting_before(node):
+        call = graph.call_function(op, (slot, list(grads), sizes))
+    call.meta.update(node.meta)
+    for k, user in by_edge.items():  # edge k -> the k-th defined output
+        user.args = (call, index[k])
+    graph.erase_node(node)
+
+
+def _device_of(getitem, grads) -> torch.device:
+    """The device of an output: as traced, else that of the incoming gradients."""
+    for n in ([getitem] if getitem is not None else []) + [g for g in grads if isinstance(g, fx.Node)]:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return torch.device("cpu")
