@@ -55,7 +55,12 @@ def lookup(backend) -> tuple[str, Backend]:
 
 
 def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list) -> Callable:
-    """Call a backend with the two-argument protocol, or the one-argument one."""
+    """Call a backend with the two-argument protocol, or the one-argument one.
+
+    One argument (the graph alone) when ``fn`` has exactly one required positional
+    parameter and no ``*args``: other parameters with defaults keep them, as in
+    ``lambda gm, b=b: torch.compile(gm, backend=b)`` written in a loop.
+    """
     if _takes_one_argument(fn):
         return fn(gm)
     return fn(gm, example_inputs)
@@ -69,7 +74,7 @@ def _takes_one_argument(fn) -> bool:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
     has_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
-    return len(positional) == 1 or (len(required) == 1 and len(positional) == 1 and not has_varargs)
+    return len(positional) == 1 or (len(required) == 1 and not has_varargs)
 
 
 _entry_points_loaded = False

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from .. import backends, reorder
+from ..backends.identity import Key, callable_key
 from . import distributed, fast_walk, hook_ops, routing
 from .cache import cache
 from .captured_graph import CapturedGraph
@@ -88,10 +89,11 @@ class Session:
         self.graphs: list[CapturedGraph] = []
         self.stats = dict.fromkeys(COUNTERS, 0)
         self._warned: set[str] = set()
-        # The backend function, not its name: re-registering a name must recompile.
-        self._config_key = (self.backend_fn,
-                            tuple(name if isinstance(name, str) else fn for name, fn in
-                                  ((n, f) for n, f in self.passes)), dynamic)
+        # Backend and passes by what they are (backends.identity), computed once per
+        # block: a lambda written in the training loop is the same backend each step,
+        # and a registered name means the function registered now.
+        self._config_key = Key((callable_key(self.backend_fn),
+                                tuple(callable_key(fn) for _, fn in self.passes), dynamic))
 
     # -- context manager -----------------------------------------------------
     def __enter__(self) -> "Session":
