@@ -45,6 +45,10 @@ def stats() -> dict:
     return dict(_global_stats)
 
 
+# A structure's walker goes with its last cached graph.
+cache.on_forget.append(fast_walk.walkers.forget)
+
+
 def reset() -> None:
     """Clear every cache and counter (registered backends stay)."""
     cache.clear()

@@ -1,0 +1,55 @@
+"""What gradfx keeps is bounded by the cache or released with its graph (issue 13).
+
+Per structure: the generated walker, the latest sizes, the dynamic positions.
+"""
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradfx
+from gradfx.capture.cache import cache
+from helpers import grads_of
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    gradfx.reset()
+    yield
+    gradfx.set_cache_size(128)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+
+
+def _x(seed=1):
+    torch.manual_seed(seed)
+    return torch.randn(3, 4)
+
+
+def _eager_grads(seed=0):
+    model = _model(seed)
+    model(_x()).sum().backward()
+    return grads_of(model.parameters())
+
+
+def test_per_structure_state_is_evicted_with_the_cache():
+    from gradfx.capture import fast_walk
+    gradfx.set_cache_size(2)
+    w = torch.rand(5).add(0.5).requires_grad_()
+    for k in range(6):  # six structures: the exponent is part of the key
+        expected = torch.autograd.grad(w.pow(1.5 + k).sum(), w)[0]
+        w.grad = None
+        with gradfx.compiled_autograd(dynamic=True):
+            w.pow(1.5 + k).sum().backward()
+        assert torch.equal(w.grad, expected)
+    assert len(cache) == 2 and len(cache.last_sizes) == 2 and len(cache.dynamic_positions) <= 2
+    assert len(fast_walk.walkers) <= 2 and len(fast_walk.walkers._where) <= 2
+    gradfx.reset()
+    assert len(fast_walk.walkers) == 0 and not cache.last_sizes
+
+
