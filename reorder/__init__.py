@@ -69,7 +69,6 @@ class PassRecord:
     nodes_after: int
     moved: int
     seconds: float
-    code_after: str
 
     @property
     def removed(self) -> int:
@@ -80,8 +79,14 @@ class PassRecord:
                 f"({self.removed} removed, {self.moved} moved) in {self.seconds * 1e3:.2f} ms")
 
 
-def run_pipeline(graph: fx.Graph, passes: list[tuple[str, Pass]], keep_code: bool = True) -> list[PassRecord]:
-    """Run ``passes`` in order, linting after each; return what each did."""
+def run_pipeline(graph: fx.Graph, passes: list[tuple[str, Pass]]) -> list[PassRecord]:
+    """Run ``passes`` in order, linting after each; return what each did.
+
+    The records hold counts, not code: a long block keeps every graph it captured,
+    and a copy of the code after each pass would multiply that memory.  The code
+    after a prefix of the pipeline is that of a graph captured with ``passes=`` set
+    to the prefix.
+    """
     records = []
     for name, fn in passes:
         before = list(graph.nodes)
@@ -90,8 +95,7 @@ def run_pipeline(graph: fx.Graph, passes: list[tuple[str, Pass]], keep_code: boo
         seconds = time.perf_counter() - start
         graph.lint()
         after = list(graph.nodes)
-        records.append(PassRecord(name, len(before), len(after), _moved(before, after), seconds,
-                                  graph.python_code("self").src if keep_code else ""))
+        records.append(PassRecord(name, len(before), len(after), _moved(before, after), seconds))
     return records
 
 

@@ -1,6 +1,7 @@
 """What gradfx keeps is bounded by the cache or released with its graph (issue 13).
 
-Per structure: the generated walker, the latest sizes, the dynamic positions.
+Per structure (the generated walker, the latest sizes, the dynamic positions) and
+per pass (no code copies).
 """
 
 import gc
@@ -53,3 +54,11 @@ def test_per_structure_state_is_evicted_with_the_cache():
     assert len(fast_walk.walkers) == 0 and not cache.last_sizes
 
 
+def test_session_graphs_keep_no_code_per_pass():
+    model = _model()
+    with gradfx.compiled_autograd() as s:
+        model(_x()).sum().backward()
+    record = s.graphs[0].passes[0]
+    assert [r.name for r in s.graphs[0].passes] == gradfx.list_passes()
+    assert not any(isinstance(v, str) and "\n" in v for v in vars(record).values())
+    assert str(record).startswith(f"{record.name}: ")
