@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import torch_caches
 from .captured_graph import CapturedGraph
 from .errors import Unsupported, _Fallback
 from .session import Session
@@ -47,14 +48,24 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
     session = Session("eager", dynamic=dynamic)
     try:
         call = walk_backward(outputs, grads, inputs or (), accumulate=inputs is None)
-        symbolic = None
-        if dynamic is True:
-            positions = dynamic_candidates(call.sizes) - baked_positions(call)
-            symbolic = SymbolicSizes(call.sizes, positions) if positions else None
-        trace = trace_backward(call, symbolic)
     except _Fallback as fb:
         raise Unsupported(fb.reason) from None
-    guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
-    captured, _ = session.compile_graph(trace, call, compile=False, guards=guard.text,
-                                        size_positions=symbolic.positions if symbolic is not None else ())
+    window = torch_caches.Window()  # what tracing adds to torch's caches goes with the graph
+    try:
+        with window:
+            symbolic = None
+            if dynamic is True:
+                positions = dynamic_candidates(call.sizes) - baked_positions(call)
+                symbolic = SymbolicSizes(call.sizes, positions) if positions else None
+            try:
+                trace = trace_backward(call, symbolic)
+            except _Fallback as fb:
+                raise Unsupported(fb.reason) from None
+            guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
+            captured = session.compile_graph(trace, call, compile=False, guards=guard.text,
+                                             size_positions=symbolic.positions if symbolic is not None else ())[0]
+    except BaseException:
+        window.release_now()
+        raise
+    window.release_with(captured.graph_module)
     return captured

@@ -28,6 +28,7 @@ from .saved_tensors import ForeignHooks
 from . import explain
 from .shapes import Guard, SymbolicSizes, baked_positions, changed_positions, dynamic_candidates
 from .tracer import trace_backward
+from . import torch_caches
 from .walk import OPAQUE, BackwardCall, walk_backward
 
 log = logging.getLogger("gradfx")
@@ -184,23 +185,33 @@ class Session:
                          explain.size_change(call, cache.last_sizes[structure]))
         else:
             explain.log_structure_miss(call)
-        dynamic = self._dynamic_positions(call, structure)
-        trace, symbolic = None, None
-        if dynamic:
-            symbolic = SymbolicSizes(call.sizes, dynamic)
-            try:
-                trace = trace_backward(call, symbolic)
-            except Exception:
-                log.info("gradfx: tracing with symbolic sizes failed; capturing static sizes",
-                         exc_info=log.isEnabledFor(logging.DEBUG))
-                symbolic = None
-                call.kinds = list(call.walk_kinds)
-        if trace is None:
-            trace = self._trace(call, None)
-        describe = lambda p: explain.describe_position(call, p)  # noqa: E731
-        guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
-        captured, compiled = self.compile_graph(
-            trace, call, guards=guard.text, size_positions=symbolic.positions if symbolic is not None else ())
+        # What tracing and compiling add to torch's process-wide caches goes with
+        # this graph (torch_caches).
+        window = torch_caches.Window()
+        try:
+            with window:
+                dynamic = self._dynamic_positions(call, structure)
+                trace, symbolic = None, None
+                if dynamic:
+                    symbolic = SymbolicSizes(call.sizes, dynamic)
+                    try:
+                        trace = trace_backward(call, symbolic)
+                    except Exception:
+                        log.info("gradfx: tracing with symbolic sizes failed; capturing static sizes",
+                                 exc_info=log.isEnabledFor(logging.DEBUG))
+                        symbolic = None
+                        call.kinds = list(call.walk_kinds)
+                if trace is None:
+                    trace = self._trace(call, None)
+                describe = lambda p: explain.describe_position(call, p)  # noqa: E731
+                guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
+                captured, compiled = self.compile_graph(
+                    trace, call, guards=guard.text,
+                    size_positions=symbolic.positions if symbolic is not None else ())
+        except BaseException:
+            window.release_now()
+            raise
+        window.release_with(captured.graph_module)
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
         self.graphs.append(captured)
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),

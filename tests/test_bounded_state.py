@@ -1,7 +1,8 @@
 """What gradfx keeps is bounded by the cache or released with its graph (issue 13).
 
-Per structure (the generated walker, the latest sizes, the dynamic positions) and
-per pass (no code copies).
+Per structure (walker, latest sizes, dynamic positions), in torch's process-wide
+caches (fake-tensor dispatch cache, fx sources), per pass (no code copies).  The
+long-run loops are in test_soak.py.
 """
 
 import gc
@@ -52,6 +53,32 @@ def test_per_structure_state_is_evicted_with_the_cache():
     assert len(fast_walk.walkers) <= 2 and len(fast_walk.walkers._where) <= 2
     gradfx.reset()
     assert len(fast_walk.walkers) == 0 and not cache.last_sizes
+
+
+def test_torch_caches_lose_what_gradfx_added_when_its_graphs_go():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.graph_module import _loader
+    gc.collect()
+    # An entry of the user's own (a fake op outside gradfx) must stay.
+    with FakeTensorMode() as mode:
+        mode.from_tensor(torch.randn(7, 3)).sin()
+    fake_before, sources_before = set(FakeTensorMode.cache), set(_loader.eval_cache)
+    assert fake_before
+    lin = nn.Linear(4, 3)
+    gradfx.set_cache_size(2)
+    for batch in range(2, 8):  # static captures at six sizes
+        with gradfx.compiled_autograd(dynamic=False):
+            lin(torch.randn(batch, 4)).relu().sum().backward()
+    graph = gradfx.capture(lin(torch.randn(9, 4)).sum())
+    grown = len(FakeTensorMode.cache)
+    assert grown > len(fake_before)
+    gc.collect()
+    assert len(FakeTensorMode.cache) < grown  # evicted graphs took theirs along
+    del graph
+    gradfx.reset()
+    gc.collect()
+    assert set(FakeTensorMode.cache) == fake_before
+    assert set(_loader.eval_cache) <= sources_before  # every gradfx source went with its graph
 
 
 def test_session_graphs_keep_no_code_per_pass():
