@@ -29,6 +29,9 @@ _registry: dict[str, Backend] = {}
 
 def register_backend(name: str, fn: Backend | None = None):
     """Register ``fn`` as backend ``name``; as a decorator it returns ``fn`` unchanged."""
+    if not isinstance(name, str):
+        raise TypeError(f"a backend name must be a str, got {type(name).__name__} ({name!r})")
+
     def add(f: Backend) -> Backend:
         if not callable(f):
             raise TypeError(f"backend {name!r} must be callable, got {type(f).__name__}")
@@ -43,15 +46,31 @@ def list_backends() -> list[str]:
 
 
 def lookup(backend) -> tuple[str, Backend]:
-    """(name, compile function) for a name or a callable; ValueError if unknown."""
-    if callable(backend):
-        return getattr(backend, "__name__", type(backend).__name__), backend
+    """(name, compile function) for a name or a callable.
+
+    ValueError for an unknown name, TypeError for anything neither a str nor callable.
+    """
     if isinstance(backend, str):
         if backend not in _registry:
             _load_entry_points()
         if backend in _registry:
             return backend, _registry[backend]
-    raise ValueError(f"unknown gradfx backend {backend!r}; known backends: {list_backends()}")
+        raise ValueError(f"unknown gradfx backend {backend!r}; known backends: {list_backends()}")
+    if callable(backend):
+        return describe(backend), backend
+    raise TypeError(f"backend must be a registered name (str) or a compile function "
+                    f"fn(gm, example_inputs) -> callable, got {type(backend).__name__} ({backend!r})")
+
+
+def describe(fn) -> str:
+    """How messages name a backend callable: its qualified name where it has one."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if isinstance(name, str):
+        return name
+    inner = getattr(fn, "func", None)  # functools.partial
+    if inner is not None:
+        return f"partial({describe(inner)})"
+    return type(fn).__name__
 
 
 def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list) -> Callable:

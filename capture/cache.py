@@ -12,6 +12,7 @@ structures, backends and pass lists a long run meets.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 
 DEFAULT_SIZE = 128
@@ -100,8 +101,18 @@ cache = GraphCache()
 
 
 def set_cache_size(max_size: int) -> None:
-    """Bound the number of cached graphs (least recently used are dropped)."""
-    if max_size < 1:
-        raise ValueError(f"cache size must be at least 1, got {max_size}")
-    cache.max_size = max_size
+    """Bound the number of cached graphs (least recently used are dropped).
+
+    ``max_size`` is an int of at least 1: TypeError for other types (bool
+    included), ValueError below 1.
+    """
+    if isinstance(max_size, bool):
+        raise TypeError("cache size must be an int, got bool")
+    try:
+        size = operator.index(max_size)  # ints and int-like (numpy) integers, never floats
+    except TypeError:
+        raise TypeError(f"cache size must be an int, got {type(max_size).__name__} ({max_size!r})") from None
+    if size < 1:
+        raise ValueError(f"cache size must be at least 1, got {size}")
+    cache.max_size = size
     cache._evict()

@@ -85,12 +85,15 @@ class Session:
     """State of one ``with gradfx.compiled_autograd(...)`` block."""
 
     def __init__(self, backend="eager", *, dynamic="auto", strict=False, passes=None):
-        if dynamic not in ("auto", True, False):
-            raise ValueError(f"dynamic must be 'auto', True or False, got {dynamic!r}")
         self.backend_name, self.backend_fn = backends.lookup(backend)
+        # `in` would take 1 and 0 for True and False (and then treat them as "auto").
+        if not (dynamic is True or dynamic is False or (type(dynamic) is str and dynamic == "auto")):
+            raise ValueError(f"dynamic must be 'auto', True or False, got {dynamic!r}")
+        if type(strict) is not bool:  # strict="no" must not mean True
+            raise TypeError(f"strict must be True or False, got {type(strict).__name__} ({strict!r})")
         self.passes = reorder.resolve(passes)
         self.dynamic = dynamic
-        self.strict = bool(strict)
+        self.strict = strict
         self.graphs: list[CapturedGraph] = []
         self.stats = dict.fromkeys(COUNTERS, 0)
         self._warned: set[str] = set()

@@ -26,7 +26,12 @@ _registry: dict[str, Pass] = {}
 
 def register_pass(name: str, fn: Pass | None = None):
     """Register ``fn`` under ``name`` (usable as a decorator)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a pass name must be a str, got {type(name).__name__} ({name!r})")
+
     def add(f: Pass) -> Pass:
+        if not callable(f):
+            raise TypeError(f"pass {name!r} must be callable, got {type(f).__name__}")
         _registry[name] = f
         return f
     return add(fn) if fn is not None else add
@@ -46,17 +51,29 @@ def list_passes() -> list[str]:
 
 
 def resolve(passes) -> list[tuple[str, Pass]]:
-    """Turn a ``passes=`` argument into (name, function) pairs; ValueError if unknown."""
+    """Turn a ``passes=`` argument into (name, function) pairs.
+
+    ``None`` is the default pipeline; a single name or callable means a pipeline of
+    that one pass.  ValueError for an unknown name, TypeError for anything else.
+    """
     if passes is None:
         passes = DEFAULT_PIPELINE
+    elif isinstance(passes, str) or callable(passes):
+        passes = [passes]  # iterating a string would give its letters
+    elif isinstance(passes, (bytes, dict)) or not hasattr(passes, "__iter__"):
+        raise TypeError(f"passes must be None, a pass name, or a list of pass names and callables "
+                        f"fn(graph) -> None, got {type(passes).__name__}")
     out = []
     for p in passes:
-        if callable(p):
-            out.append((getattr(p, "__name__", repr(p)), p))
-        elif p in _registry:
+        if isinstance(p, str):
+            if p not in _registry:
+                raise ValueError(f"unknown pass {p!r}; registered passes: {sorted(_registry)}")
             out.append((p, _registry[p]))
+        elif callable(p):
+            out.append((getattr(p, "__name__", type(p).__name__), p))
         else:
-            raise ValueError(f"unknown pass {p!r}; registered passes: {sorted(_registry)}")
+            raise TypeError(f"a pass must be a registered name (str) or a callable fn(graph) -> None, "
+                            f"got {type(p).__name__} ({p!r})")
     return out
 
 
