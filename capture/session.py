@@ -37,8 +37,11 @@ COUNTERS = ("captures", "cache_hits", "fallbacks", "compiles", "recaptures")
 _global_stats = dict.fromkeys(COUNTERS, 0)
 _local = threading.local()
 
-UNUSED_INPUT_MESSAGE = ("One of the differentiated Tensors appears to not have been used in the "
-                        "graph. Set allow_unused=True if this is the desired behavior.")
+
+def unused_input_message(index: int) -> str:
+    """torch.autograd.grad's error (torch 2.13's words) for an input nothing depends on."""
+    return (f"The differentiated Tensor at index {index} appears to not have been used in the graph. "
+            "Set allow_unused=True if this is the desired behavior.")
 
 
 def stats() -> dict:
@@ -123,6 +126,10 @@ class Session:
     def run_backward(self, engine, tensors, grad_tensors, keep_graph, create_graph,
                      inputs=(), allow_unreachable=True, accumulate_grad=True):
         args = (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
+        if _eager_refuses(tensors, inputs):
+            # Eager raises for this call before computing anything: let it, in its own
+            # words.  Nothing ran, so nothing is counted and nothing is warned.
+            return engine.run_backward(*args)
         try:
             if create_graph:
                 raise _Fallback("create_graph=True (double backward)")
@@ -149,8 +156,10 @@ class Session:
             return self._fallback(engine, args, fb.reason)
         results = _run(entry, call, keep_graph)
         if not accumulate_grad:
-            if not allow_unreachable and any(r is None for r in results):
-                raise RuntimeError(UNUSED_INPUT_MESSAGE)
+            if not allow_unreachable:
+                for k, r in enumerate(results):
+                    if r is None:
+                        raise RuntimeError(unused_input_message(k))
             return results
         return ()
 
@@ -294,6 +303,22 @@ class Session:
         log.log(level, "gradfx: backend %s compiled %d fx nodes in %.2f s", self.backend_name,
                 len(gm.graph.nodes), seconds)
         return compiled
+
+
+def _eager_refuses(tensors, inputs) -> bool:
+    """Does the eager engine reject this call before computing anything?
+
+    A root that neither requires grad nor has a grad_fn ("element 0 of tensors does
+    not require grad and does not have a grad_fn"), or an input that does not
+    require grad ("One of the differentiated Tensors does not require grad").
+    """
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.grad_fn is None and not t.requires_grad:
+            return True
+    for t in inputs or ():
+        if isinstance(t, torch.Tensor) and not t.requires_grad:
+            return True
+    return False
 
 
 def _run(entry: CompiledBackward, call: BackwardCall, keep_graph: bool):

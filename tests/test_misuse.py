@@ -1,7 +1,9 @@
 """Bad input gets a clear answer, a failed backend loses nothing (issue 13).
 
-Argument validation.
+Argument validation; eager's own errors for calls eager refuses.
 """
+
+import warnings
 
 import pytest
 import torch
@@ -33,6 +35,14 @@ def _eager_grads(seed=0):
     model = _model(seed)
     model(_x()).sum().backward()
     return grads_of(model.parameters())
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the point is to see what eager raises
+        return err
+    raise AssertionError("expected an error")
 
 
 # -- arguments -------------------------------------------------------------------
@@ -99,3 +109,57 @@ def test_set_cache_size_accepts_integer_types():
     np = pytest.importorskip("numpy")
     gradfx.set_cache_size(np.int64(4))
     assert cache.max_size == 4 and type(cache.max_size) is int
+
+
+# -- calls eager refuses ---------------------------------------------------------
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_backward_of_a_tensor_without_grad_raises_eagers_error_uncounted(strict):
+    plain = torch.randn(3).sum()
+    eager = _error_of(plain.backward)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no FallbackWarning
+        with gradfx.compiled_autograd(strict=strict) as s:
+            with pytest.raises(RuntimeError) as err:
+                plain.backward()
+            assert type(err.value) is type(eager) and str(err.value) == str(eager)
+            model = _model()
+            x = torch.randn(3, 4)  # does not require grad
+            eager_grad = _error_of(lambda: torch.autograd.grad(model(x).sum(), [x]))
+            with pytest.raises(RuntimeError) as err:
+                torch.autograd.grad(model(x).sum(), [x])
+            assert type(err.value) is type(eager_grad) and str(err.value) == str(eager_grad)
+    assert s.stats == dict.fromkeys(s.stats, 0) and gradfx.stats() == s.stats
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_autograd_grad_unused_input_raises_eagers_exact_error():
+    x, unused = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    eager = _error_of(lambda: torch.autograd.grad((x * 2).sum(), [x, unused]))
+    for backend in ("eager", lambda gm: gm):
+        with gradfx.compiled_autograd(backend=backend):
+            with pytest.raises(type(eager)) as err:
+                torch.autograd.grad((x * 2).sum(), [x, unused])
+        assert str(err.value) == str(eager)
+
+
+def test_capture_of_an_unused_input_raises_eagers_error():
+    model = _model()
+    unused = torch.randn(3, requires_grad=True)
+    eager = _error_of(lambda: torch.autograd.grad(model(_x()).sum(), [model[0].weight, unused]))
+    with pytest.raises(type(eager)) as err:
+        gradfx.capture(model(_x()).sum(), inputs=[model[0].weight, unused])
+    assert str(err.value) == str(eager)
+
+
+def test_capture_of_tensors_without_grad_raises_eagers_errors():
+    model = _model()
+    plain = torch.randn(3)
+    for outputs, inputs in ((plain.sum(), None), (model(_x()).sum(), [plain])):
+        if inputs is None:
+            eager = _error_of(lambda: torch.autograd.backward(outputs))
+        else:
+            eager = _error_of(lambda: torch.autograd.grad(outputs, inputs))
+        with pytest.raises(type(eager)) as err:
+            gradfx.capture(outputs, inputs=inputs)
+        assert str(err.value) == str(eager)
