@@ -69,10 +69,11 @@ def current() -> "Session | None":
 class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
-    __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions")
+    __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
+                 "failed")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
-                 guard, size_positions=()):
+                 guard, size_positions=(), failed=None):
         self.fn = fn
         self.boxed = getattr(fn, "_boxed", None)
         self.captured = captured
@@ -82,6 +83,9 @@ class CompiledBackward:
         self.runs_python = runs_python
         self.guard = guard
         self.size_positions = size_positions  # sizes passed to the graph, before its inputs
+        # Why the backend failed, when `fn` is the eager backend standing in for it:
+        # a strict block must not run the stand-in.
+        self.failed = failed
 
 
 class Session:
@@ -102,7 +106,9 @@ class Session:
         self._warned: set[str] = set()
         # Backend and passes by what they are (backends.identity), computed once per
         # block: a lambda written in the training loop is the same backend each step,
-        # and a registered name means the function registered now.
+        # and a registered name means the function registered now.  `strict` is not
+        # in the key: it changes nothing for a graph that compiled, and a graph whose
+        # backend failed is marked (CompiledBackward.failed).
         self._config_key = Key((callable_key(self.backend_fn),
                                 tuple(callable_key(fn) for _, fn in self.passes), dynamic))
 
@@ -151,6 +157,8 @@ class Session:
                 entry = self._capture(call, structure, tensors)
                 self._count("captures")
             else:
+                if entry.failed is not None:  # before anything is released
+                    self._backend_failed(entry.failed, None)
                 self._count("cache_hits")
         except _Fallback as fb:
             return self._fallback(engine, args, fb.reason)
@@ -217,7 +225,7 @@ class Session:
                     trace = self._trace(call, None)
                 describe = lambda p: explain.describe_position(call, p)  # noqa: E731
                 guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
-                captured, compiled = self.compile_graph(
+                captured, compiled, failed = self.compile_graph(
                     trace, call, guards=guard.text,
                     size_positions=symbolic.positions if symbolic is not None else ())
         except BaseException:
@@ -227,7 +235,7 @@ class Session:
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
         self.graphs.append(captured)
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
-                                 guard, symbolic.positions if symbolic is not None else ())
+                                 guard, symbolic.positions if symbolic is not None else (), failed)
         if symbolic is not None:
             cache.dynamic_positions[structure] = set(symbolic.positions)
         cache.put(structure, call.sizes, entry, dynamic=symbolic is not None)
@@ -271,6 +279,7 @@ class Session:
             raise _Fallback(f"tracing failed ({type(err).__name__}: {err})") from err
 
     def compile_graph(self, trace, call: BackwardCall, compile: bool = True, guards=(), size_positions=()):
+        """(CapturedGraph, compiled callable or None, why the backend failed or None)."""
         start = time.perf_counter()
         records = reorder.run_pipeline(trace.graph, self.passes)
         examples = [call.sizes[p] for p in size_positions] + list(call.inputs)
@@ -278,31 +287,46 @@ class Session:
         captured = CapturedGraph(gm, passes=records, opaque_nodes=trace.opaque, guards=guards,
                                  autograd_nodes=len(call.nodes),
                                  capture_seconds=trace.seconds, example_inputs=examples)
-        compiled = self._compile(gm, examples) if compile else None
+        compiled, failed = self._compile(gm, examples) if compile else (None, None)
         log.info("gradfx: captured %d autograd nodes into %d fx nodes (%d opaque); trace %.1f ms, "
                  "passes+compile %.1f ms with backend %s", len(call.nodes), len(gm.graph.nodes),
                  len(trace.opaque), trace.seconds * 1e3, (time.perf_counter() - start) * 1e3,
                  self.backend_name)
-        return captured, compiled
+        return captured, compiled, failed
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list):
+        """(compiled callable, None), or (eager stand-in, reason) if the backend failed.
+
+        A compile function that raises or returns something not callable fails here,
+        before the backward runs and releases anything: in strict mode the autograd
+        graph is left as it was, so an eager backward of it still works.
+        """
         start = time.perf_counter()
         self._count("compiles")
+        failed = None
         try:
             compiled = backends.compile_with(self.backend_fn, gm, example_inputs)
+            if not callable(compiled):
+                raise TypeError(f"it returned {type(compiled).__name__} ({_short(compiled)}), not a callable")
         except Exception as err:
-            if self.strict:
-                raise Unsupported(f"backend {self.backend_name!r} failed to compile: {err}") from err
-            reason = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err}); using eager"
-            if reason not in self._warned:
-                self._warned.add(reason)
-                warnings.warn(f"gradfx: {reason}", FallbackWarning, stacklevel=5)
-            compiled = backends.compile_with(backends.lookup("eager")[1], gm, example_inputs)
+            failed = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err})"
+            self._backend_failed(failed, err)
+            compiled = backends.compile_with(backends.builtin.eager, gm, example_inputs)
         seconds = time.perf_counter() - start
         level = logging.INFO if seconds > 1.0 else logging.DEBUG
         log.log(level, "gradfx: backend %s compiled %d fx nodes in %.2f s", self.backend_name,
                 len(gm.graph.nodes), seconds)
-        return compiled
+        return compiled, failed
+
+    def _backend_failed(self, reason: str, err) -> None:
+        """Strict: raise Unsupported.  Otherwise warn (once per block) that the eager
+        backend stands in."""
+        if self.strict:
+            raise Unsupported(reason) from err
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"gradfx: {reason}; running the graph on the eager backend", FallbackWarning,
+                          stacklevel=6)
 
 
 def _eager_refuses(tensors, inputs) -> bool:
@@ -319,6 +343,11 @@ def _eager_refuses(tensors, inputs) -> bool:
         if isinstance(t, torch.Tensor) and not t.requires_grad:
             return True
     return False
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _run(entry: CompiledBackward, call: BackwardCall, keep_graph: bool):

@@ -1,6 +1,7 @@
 """Bad input gets a clear answer, a failed backend loses nothing (issue 13).
 
-Argument validation; eager's own errors for calls eager refuses.
+Argument validation; eager's own errors for calls eager refuses; backends that
+fail to compile or return no callable.
 """
 
 import warnings
@@ -163,3 +164,117 @@ def test_capture_of_tensors_without_grad_raises_eagers_errors():
         with pytest.raises(type(eager)) as err:
             gradfx.capture(outputs, inputs=inputs)
         assert str(err.value) == str(eager)
+
+
+# -- backends that fail to compile -----------------------------------------------
+
+@pytest.mark.parametrize("returned", [None, 42, "graph"])
+def test_backend_returning_no_callable_falls_back_naming_it(returned):
+    def no_callable(gm, example_inputs):
+        return returned
+    model = _model()
+    with pytest.warns(gradfx.FallbackWarning, match=r"backend '.*no_callable' failed to compile \(TypeError: "
+                                                    r"it returned .* not a callable\)"):
+        with gradfx.compiled_autograd(backend=no_callable) as s:
+            model(_x()).sum().backward()
+    assert_same(grads_of(model.parameters()), _eager_grads())
+    assert s.stats["captures"] == 1 and s.stats["fallbacks"] == 0
+
+
+def _strict_failure_leaves_graph_usable(backend, match):
+    model = _model()
+    loss = model(_x()).sum()
+    with gradfx.compiled_autograd(backend=backend, strict=True) as s:
+        with pytest.raises(gradfx.Unsupported, match=match) as err:
+            loss.backward()
+    assert all(p.grad is None for p in model.parameters())  # nothing ran
+    assert s.stats["captures"] == s.stats["cache_hits"] == s.stats["fallbacks"] == 0
+    loss.backward()  # the eager engine can still run the same backward
+    assert_same(grads_of(model.parameters()), _eager_grads())
+    return err.value
+
+
+def test_strict_backend_returning_none_raises_before_anything_is_released():
+    err = _strict_failure_leaves_graph_usable(lambda gm: None, r"backend '.*<lambda>'.*not a callable")
+    assert isinstance(err.__cause__, TypeError)
+
+
+def test_strict_backend_raising_leaves_the_graph_usable():
+    def broken(gm, example_inputs):
+        raise ValueError("no compiler today")
+    err = _strict_failure_leaves_graph_usable(broken, "no compiler today")
+    assert isinstance(err.__cause__, ValueError)
+
+
+def test_strict_block_does_not_reuse_a_failed_compile_cached_by_a_lenient_one():
+    def broken(gm):
+        raise RuntimeError("boom")
+    model = _model()
+    with pytest.warns(gradfx.FallbackWarning, match="boom"):
+        with gradfx.compiled_autograd(backend=broken):
+            model(_x()).sum().backward()
+    assert_same(grads_of(model.parameters()), _eager_grads())
+    model.zero_grad(set_to_none=True)
+    loss = model(_x()).sum()
+    with gradfx.compiled_autograd(backend=broken, strict=True):
+        with pytest.raises(gradfx.Unsupported, match="boom"):
+            loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    loss.backward()
+    assert_same(grads_of(model.parameters()), _eager_grads())
+    # A later lenient block reuses the stand-in, warning again in its own block.
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(gradfx.FallbackWarning, match="boom"):
+        with gradfx.compiled_autograd(backend=broken) as s:
+            model(_x()).sum().backward()
+    assert s.stats["cache_hits"] == 1 and s.stats["compiles"] == 0
+    assert_same(grads_of(model.parameters()), _eager_grads())
+
+
+def test_strict_first_then_lenient_then_strict_again():
+    def broken(gm):
+        raise RuntimeError("boom")
+    model = _model()
+    with gradfx.compiled_autograd(backend=broken, strict=True):
+        with pytest.raises(gradfx.Unsupported, match="boom"):
+            model(_x()).sum().backward()
+    assert len(cache) == 0  # a strict failure caches nothing
+    with pytest.warns(gradfx.FallbackWarning, match="boom"):
+        with gradfx.compiled_autograd(backend=broken):
+            model(_x()).sum().backward()
+    assert_same(grads_of(model.parameters()), _eager_grads())
+    model.zero_grad(set_to_none=True)
+    with gradfx.compiled_autograd(backend=broken, strict=True):
+        with pytest.raises(gradfx.Unsupported, match="boom"):
+            model(_x()).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_strict_and_lenient_share_a_graph_that_compiled():
+    model = _model()
+    calls = []
+
+    def ok(gm):
+        calls.append(1)
+        return gm
+    for strict in (True, False, True):
+        with gradfx.compiled_autograd(backend=ok, strict=strict):
+            model(_x()).sum().backward()
+    assert len(calls) == 1 and gradfx.stats()["cache_hits"] == 2
+
+
+def test_split_backend_first_compile_failure_is_a_compile_failure():
+    from gradfx.backends.builtin import _split_backend
+
+    def compile_pure(pure, example_inputs):
+        raise RuntimeError("pure part refused")
+    backend = _split_backend("refusing", compile_pure)
+    model = _model()
+    with gradfx.compiled_autograd(backend=backend, strict=True):
+        with pytest.raises(gradfx.Unsupported, match="pure part refused"):
+            model(_x()).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.warns(gradfx.FallbackWarning, match="pure part refused"):
+        with gradfx.compiled_autograd(backend=backend):
+            model(_x()).sum().backward()
+    assert_same(grads_of(model.parameters()), _eager_grads())
