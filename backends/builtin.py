@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
+from ..capture.runtime_ops import accumulate_grad, accumulate_grad_unchecked
 from ..reorder.memory import frees_inputs_early
 from . import register_backend
 from .split import runner, split
@@ -24,13 +25,22 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     After the ``free_inputs_early`` pass the graph takes one list and frees each
     input at its last use, as the eager engine frees saved tensors node by node;
     without it, the inputs live until the graph returns.
+
+    The code runs on a private copy of the graph that accumulates with
+    ``accumulate_grad_unchecked``: this code is generated from the traced graph,
+    so its gradients have their leaves' metadata by construction, and the check
+    that other backends' code gets would only cost time on every backward.
     """
-    if not frees_inputs_early(gm.graph):
-        return gm.forward
-    boxed = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    boxed.graph.set_codegen(_BoxedCodeGen())
-    boxed.recompile()
-    forward = boxed.forward
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.find_nodes(op="call_function", target=accumulate_grad):
+        node.target = accumulate_grad_unchecked
+    boxed = frees_inputs_early(gm.graph)
+    if boxed:
+        graph.set_codegen(_BoxedCodeGen())
+    private = fx.GraphModule(gm, graph)
+    if not boxed:
+        return private.forward
+    forward = private.forward
 
     def run(*args):
         return forward(list(args))

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.errors import FallbackWarning
-from ..capture.runtime_ops import SIDE_EFFECTS, accumulate_grad
+from ..capture.runtime_ops import SIDE_EFFECTS, accumulate_grad, accumulate_grad_unchecked
 
 log = logging.getLogger("gradfx")
 
@@ -140,7 +140,9 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
             grad = outs[k]
             if steal:
                 outs[k] = None  # so that accumulate_grad sees no other reference
-            accumulate_grad(leaf, grad, steal)
+            # Unchecked: the pure part was compiled from the traced graph by gradfx's
+            # own pipeline, so its gradients have their leaves' metadata.
+            accumulate_grad_unchecked(leaf, grad, steal)
             del grad
         return pytree.tree_unflatten(outs[s.n_grads:s.n_grads + s.n_outputs], s.out_spec)
 

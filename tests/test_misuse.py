@@ -1,7 +1,7 @@
 """Bad input gets a clear answer, a failed backend loses nothing (issue 13).
 
-Argument validation; eager's own errors for calls eager refuses; backends that
-fail to compile or return no callable.
+Backends that fail, return no callable or compute gradients unlike the traced
+graph; argument validation; eager's own errors for calls eager refuses.
 """
 
 import warnings
@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import gradfx
+from gradfx.capture import runtime_ops
 from gradfx.capture.cache import cache
 from helpers import assert_same, grads_of
 
@@ -278,3 +279,106 @@ def test_split_backend_first_compile_failure_is_a_compile_failure():
         with gradfx.compiled_autograd(backend=backend):
             model(_x()).sum().backward()
     assert_same(grads_of(model.parameters()), _eager_grads())
+
+
+# -- gradients unlike the traced graph -------------------------------------------
+
+def _returning(change):
+    """A backend whose compiled graph changes every gradient it returns."""
+    def backend(gm, example_inputs):
+        def run(*args):
+            return tuple(None if g is None else change(g) for g in gm(*args))
+        return run
+    return backend
+
+
+@pytest.mark.parametrize("change, what", [
+    (lambda g: g.t(), r"\[4, 5\] \(torch.float32, cpu\) for input 0 .*returns \[5, 4\]"),
+    (lambda g: g.double(), r"torch.float64.*returns \[5, 4\] \(torch.float32, cpu\)"),
+    (lambda g: g.to("meta"), r"meta.*returns \[5, 4\] \(torch.float32, cpu\)"),
+    (lambda g: g.sum(0), r"\[4\] \(torch.float32, cpu\) for input 0"),
+])
+def test_autograd_grad_outputs_are_checked(change, what):
+    model = _model()
+    with gradfx.compiled_autograd(backend=_returning(change)):
+        with pytest.raises(RuntimeError, match=r"backend '.*backend' returned a gradient .*" + what):
+            torch.autograd.grad(model(_x()).sum(), [model[0].weight, model[2].bias])
+
+
+def test_autograd_grad_outputs_of_a_good_backend_pass_and_equal_eager():
+    model = _model()
+    expected = torch.autograd.grad(model(_x()).sum(), [model[0].weight, model[2].bias])
+    for _ in range(2):
+        with gradfx.compiled_autograd(backend=_returning(lambda g: g)):
+            got = torch.autograd.grad(model(_x()).sum(), [model[0].weight, model[2].bias])
+        assert_same(list(got), list(expected))
+
+
+def test_autograd_grad_output_check_with_symbolic_sizes():
+    # A symbolic size in the traced metadata is checked against the input's size.
+    from gradfx.capture.session import _check_outputs
+    specs = [((None, 4), torch.float32, torch.device("cpu"), False), None]
+    for batch in (2, 5):
+        x = torch.randn(batch, 4)
+        _check_outputs((torch.ones(batch, 4), None), specs, [x, x], "mine")
+        with pytest.raises(RuntimeError, match=rf"'mine' returned a gradient \[1, 4\].*returns \[{batch}, 4\]"):
+            _check_outputs((torch.ones(1, 4), None), specs, [x, x], "mine")
+        with pytest.raises(RuntimeError, match="where the traced graph returns None"):
+            _check_outputs((torch.ones(batch, 4), torch.ones(1)), specs, [x, x], "mine")
+        with pytest.raises(RuntimeError, match="returned None for input 0"):
+            _check_outputs((None, None), specs, [x, x], "mine")
+        with pytest.raises(RuntimeError, match="instead of a tuple of 2 gradients"):
+            _check_outputs(torch.ones(batch, 4), specs, [x, x], "mine")
+
+
+def test_autograd_grad_through_a_checked_backend_with_dynamic_sizes_equals_eager():
+    lin = nn.Linear(4, 3)
+    for batch in (2, 3, 5):
+        torch.manual_seed(batch)
+        x = torch.randn(batch, 4, requires_grad=True)
+        expected = torch.autograd.grad(lin(x).tanh().sum(), [x, lin.weight])
+        with gradfx.compiled_autograd(backend=_returning(lambda g: g), dynamic=True):
+            got = torch.autograd.grad(lin(x).tanh().sum(), [x, lin.weight])
+        assert_same(list(got), list(expected))
+
+
+def _editing_accumulations(edit):
+    """A backend that changes each gradient the graph accumulates, by editing the graph."""
+    def backend(gm, example_inputs):
+        for node in gm.graph.find_nodes(op="call_function", target=runtime_ops.accumulate_grad):
+            with gm.graph.inserting_before(node):
+                node.update_arg(1, edit(gm.graph, node.args[1]))
+        gm.recompile()
+        return gm
+    return backend
+
+
+@pytest.mark.parametrize("grad_exists", [False, True])
+@pytest.mark.parametrize("edit, what", [
+    (lambda g, x: g.call_function(torch.ops.aten.sum.dim_IntList, (x, [0])), "shape"),
+    (lambda g, x: g.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": torch.float64}), "dtype"),
+])
+def test_backward_accumulations_are_checked(edit, what, grad_exists):
+    model = _model()
+    if grad_exists:  # `.grad += wrong` would broadcast or cast without a word
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+    before = grads_of(model.parameters())
+    with gradfx.compiled_autograd(backend=_editing_accumulations(edit)):
+        with pytest.raises(RuntimeError, match=r"backend '.*backend' gave a gradient .* to accumulate into a leaf"):
+            model(_x()).sum().backward()
+    after = grads_of(model.parameters())
+    # The first accumulation raised: nothing was written.
+    assert_same(after, before)
+
+
+def test_checked_accumulation_still_steals_like_eager(monkeypatch):
+    copies = []
+    real = runtime_ops._clone_obey_contract
+    monkeypatch.setattr(runtime_ops, "_clone_obey_contract", lambda g, v: copies.append(1) or real(g, v))
+    for backend in ("eager", lambda gm: gm):
+        model = _model()
+        with gradfx.compiled_autograd(backend=backend):
+            model(_x()).sum().backward()
+        assert_same(grads_of(model.parameters()), _eager_grads())
+    assert copies == []  # every first gradient was stolen, not copied, as eager does
