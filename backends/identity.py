@@ -29,6 +29,7 @@ import enum
 import functools
 import math
 import types
+import weakref
 
 import torch
 
@@ -76,7 +77,21 @@ class Key:
 
 def callable_key(fn) -> Key:
     """A hashable key: equal for callables that behave the same by the rule above."""
-    return Key(_callable(fn, []))
+    plain = type(fn) is types.FunctionType and fn.__closure__ is None
+    if plain:
+        # Registered backends and passes are the same module-level functions in every
+        # block: reuse their key while code and defaults are the very same objects.
+        known = _plain_keys.get(fn)
+        if known is not None and known[0] is fn.__code__ and known[1] is fn.__defaults__ \
+                and known[2] is fn.__kwdefaults__:
+            return known[3]
+    key = Key(_callable(fn, []))
+    if plain:
+        _plain_keys[fn] = (fn.__code__, fn.__defaults__, fn.__kwdefaults__, key)
+    return key
+
+
+_plain_keys: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _callable(fn, stack: list):

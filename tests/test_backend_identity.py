@@ -157,3 +157,18 @@ def test_reregistering_a_name_recompiles():
             model(_x()).sum().backward()
         assert_same(grads_of(model.parameters()), expected)
     assert calls == ["first", "second"]
+
+
+def test_plain_function_key_follows_changed_defaults():
+    # Keys of closure-free functions are remembered per function object; a changed
+    # default (or code) must still change the key.
+    def backend(gm, mode="a"):
+        return gm
+    first = callable_key(backend)
+    assert callable_key(backend) is first
+    backend.__defaults__ = ("b",)
+    assert callable_key(backend) != first
+    backend.__defaults__ = ("a",)
+    assert callable_key(backend) == first
+    backend.__code__ = (lambda gm, mode="a": gm).__code__
+    assert callable_key(backend) != first
