@@ -172,3 +172,15 @@ def test_plain_function_key_follows_changed_defaults():
     assert callable_key(backend) == first
     backend.__code__ = (lambda gm, mode="a": gm).__code__
     assert callable_key(backend) != first
+
+
+@pytest.mark.slow
+def test_torch_compile_lambda_in_the_training_loop_compiles_once():
+    # The issue's own example: dynamo compiles the graph once, later steps hit.
+    model, expected = _model(), _eager_grads()
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        with gradfx.compiled_autograd(backend=lambda gm: torch.compile(gm, backend="eager")):
+            model(_x()).sum().backward()
+        assert_same(grads_of(model.parameters()), expected)
+    assert gradfx.stats()["captures"] == 1 and gradfx.stats()["cache_hits"] == 3
