@@ -29,6 +29,9 @@ _registry: dict[str, Backend] = {}
 
 def register_backend(name: str, fn: Backend | None = None):
     """Register ``fn`` as backend ``name``; as a decorator it returns ``fn`` unchanged."""
+    if not isinstance(name, str):
+        raise TypeError(f"a backend name must be a str, got {type(name).__name__} ({name!r})")
+
     def add(f: Backend) -> Backend:
         if not callable(f):
             raise TypeError(f"backend {name!r} must be callable, got {type(f).__name__}")
@@ -43,15 +46,31 @@ def list_backends() -> list[str]:
 
 
 def lookup(backend) -> tuple[str, Backend]:
-    """(name, compile function) for a name or a callable; ValueError if unknown."""
-    if callable(backend):
-        return getattr(backend, "__name__", type(backend).__name__), backend
+    """(name, compile function) for a name or a callable.
+
+    ValueError for an unknown name, TypeError for anything neither a str nor callable.
+    """
     if isinstance(backend, str):
         if backend not in _registry:
             _load_entry_points()
         if backend in _registry:
             return backend, _registry[backend]
-    raise ValueError(f"unknown gradfx backend {backend!r}; known backends: {list_backends()}")
+        raise ValueError(f"unknown gradfx backend {backend!r}; known backends: {list_backends()}")
+    if callable(backend):
+        return describe(backend), backend
+    raise TypeError(f"backend must be a registered name (str) or a compile function "
+                    f"fn(gm, example_inputs) -> callable, got {type(backend).__name__} ({backend!r})")
+
+
+def describe(fn) -> str:
+    """How messages name a backend callable: its qualified name where it has one."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if isinstance(name, str):
+        return name
+    inner = getattr(fn, "func", None)  # functools.partial
+    if inner is not None:
+        return f"partial({describe(inner)})"
+    return type(fn).__name__
 
 
 def takes_plain_graph(fn) -> Backend:
@@ -82,7 +101,8 @@ def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list) -> Calla
     traced_gm, adapt = prepare(gm, example_inputs)
     compiled = _call(fn, traced_gm, adapt(example_inputs))
     if not callable(compiled):
-        raise TypeError(f"the backend returned {type(compiled).__name__}, not a callable")
+        text = repr(compiled)
+        raise TypeError(f"it returned {type(compiled).__name__} ({text[:60]}), not a callable")
 
     def run(*args):
         try:
@@ -96,6 +116,12 @@ def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list) -> Calla
 
 
 def _call(fn, gm, example_inputs):
+    """Call a backend with the two-argument protocol, or the one-argument one.
+
+    One argument (the graph alone) when ``fn`` has exactly one required positional
+    parameter and no ``*args``: other parameters with defaults keep them, as in
+    ``lambda gm, b=b: torch.compile(gm, backend=b)`` written in a loop.
+    """
     if _takes_one_argument(fn):
         return fn(gm)
     return fn(gm, example_inputs)
@@ -116,7 +142,7 @@ def _takes_one_argument(fn) -> bool:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
     has_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
-    return len(positional) == 1 or (len(required) == 1 and len(positional) == 1 and not has_varargs)
+    return len(positional) == 1 or (len(required) == 1 and not has_varargs)
 
 
 _entry_points_loaded = False

@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
+from ..capture.runtime_ops import accumulate_grad, accumulate_grad_unchecked
 from ..reorder.memory import frees_inputs_early
 from . import register_backend, takes_plain_graph
 from .split import runner, split
@@ -25,13 +26,22 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     After the ``free_inputs_early`` pass the graph takes one list and frees each
     input at its last use, as the eager engine frees saved tensors node by node;
     without it, the inputs live until the graph returns.
+
+    The code runs on a private copy of the graph that accumulates with
+    ``accumulate_grad_unchecked``: this code is generated from the traced graph,
+    so its gradients have their leaves' metadata by construction, and the check
+    that other backends' code gets would only cost time on every backward.
     """
-    if not frees_inputs_early(gm.graph):
-        return gm.forward
-    boxed = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    boxed.graph.set_codegen(_BoxedCodeGen())
-    boxed.recompile()
-    forward = boxed.forward
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.find_nodes(op="call_function", target=accumulate_grad):
+        node.target = accumulate_grad_unchecked
+    boxed = frees_inputs_early(gm.graph)
+    if boxed:
+        graph.set_codegen(_BoxedCodeGen())
+    private = fx.GraphModule(gm, graph)
+    if not boxed:
+        return private.forward
+    forward = private.forward
 
     def run(*args):
         return forward(list(args))
@@ -55,7 +65,7 @@ def _split_backend(name: str, compile_pure):
             return eager(gm, example_inputs)
         return runner(parts, compile_pure, example_inputs, eager(gm, example_inputs)._boxed)
     backend.__name__ = name
-    return backend
+    return takes_plain_graph(backend)
 
 
 def _inductor_compile(pure: fx.GraphModule, example_inputs: list):
@@ -74,8 +84,8 @@ def _aot_eager_compile(pure: fx.GraphModule, example_inputs: list):
     return functional.forward
 
 
-register_backend("inductor", takes_plain_graph(_split_backend("inductor", _inductor_compile)))
-register_backend("aot_eager", takes_plain_graph(_split_backend("aot_eager", _aot_eager_compile)))
+register_backend("inductor", _split_backend("inductor", _inductor_compile))
+register_backend("aot_eager", _split_backend("aot_eager", _aot_eager_compile))
 
 
 @register_backend("debug")

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.errors import FallbackWarning
-from ..capture.runtime_ops import SIDE_EFFECTS, accumulate_grad
+from ..capture.runtime_ops import SIDE_EFFECTS, accumulate_grad, accumulate_grad_unchecked
 
 log = logging.getLogger("gradfx")
 
@@ -98,8 +98,10 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
     each new shape a dynamic graph meets (gradfx's guards pick the graph, this
     picks the compiled code).  Every shape of a graph's tensors is determined by
     its size inputs (the leading int placeholders; none in a static graph), so
-    those ints are the key.  If compiling fails, the graph runs on ``fallback``
-    (the eager backend) with one warning.
+    those ints are the key.  The first compile fails like any backend compile
+    (gradfx warns and uses the eager backend, or raises ``Unsupported`` in strict
+    mode); a later one happens while the graph runs, its inputs already taken
+    over, so the graph then runs on ``fallback`` (the eager backend) with a warning.
     """
     compiled: dict = {}
     leaf_positions = [leaf for leaf, _, _ in s.accumulations]
@@ -107,12 +109,15 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
     while n_sizes < len(example_inputs) and type(example_inputs[n_sizes]) is int:
         n_sizes += 1
 
+    def compile_now(sub):
+        with torch.no_grad():
+            return compile_pure(s.pure, [a.detach() if isinstance(a, torch.Tensor) else a for a in sub])
+
     def compile_for(sub, key):
         fn = compiled.get(key)
         if fn is None:
             try:
-                with torch.no_grad():
-                    fn = compile_pure(s.pure, [a.detach() if isinstance(a, torch.Tensor) else a for a in sub])
+                fn = compile_now(sub)
             except Exception as err:
                 warnings.warn(f"gradfx: compiling a backward failed ({type(err).__name__}: {err}); "
                               "running it on the eager backend", FallbackWarning)
@@ -120,7 +125,7 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
             compiled[key] = fn
         return fn
 
-    compile_for([example_inputs[i] for i in s.used_inputs], tuple(example_inputs[:n_sizes]))
+    compiled[tuple(example_inputs[:n_sizes])] = compile_now([example_inputs[i] for i in s.used_inputs])
 
     def boxed(args: list):
         sub = [args[i] for i in s.used_inputs]
@@ -135,7 +140,9 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
             grad = outs[k]
             if steal:
                 outs[k] = None  # so that accumulate_grad sees no other reference
-            accumulate_grad(leaf, grad, steal)
+            # Unchecked: the pure part was compiled from the traced graph by gradfx's
+            # own pipeline, so its gradients have their leaves' metadata.
+            accumulate_grad_unchecked(leaf, grad, steal)
             del grad
         return pytree.tree_unflatten(outs[s.n_grads:s.n_grads + s.n_outputs], s.out_spec)
 

@@ -60,6 +60,10 @@ def accumulate(variable, grad, may_steal: bool) -> None:
     """AccumulateGrad (grad mode off) in a form dynamo inlines (see the module doc)."""
     if grad is None or not variable.requires_grad:
         return
+    if grad.shape != variable.shape or grad.dtype != variable.dtype or grad.device != variable.device:
+        raise runtime_ops.WrongGradient(f"gave a gradient {list(grad.shape)} ({grad.dtype}, {grad.device}) to "
+                                        f"accumulate into a leaf {list(variable.shape)} ({variable.dtype}, "
+                                        f"{variable.device})")
     old = variable.grad
     if old is None:
         if may_steal and not grad.is_sparse and _layout_ok(grad, variable):

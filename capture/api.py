@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from . import torch_caches
 from .captured_graph import CapturedGraph
 from .errors import Unsupported, _Fallback
-from .session import Session
+from .session import Session, unused_input_message
 from .shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates
 from .tracer import trace_backward
 from .walk import walk_backward
@@ -28,12 +29,18 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
 
     No gradient math runs, no hook is called, no ``.grad`` changes; a later
     ``backward()`` on the same outputs behaves as if ``capture`` was never called.
+    Arguments that ``torch.autograd.grad(outputs, inputs)`` refuses raise its error
+    here, before anything is captured: an output that does not require grad, an
+    input that does not require grad, an input the outputs do not depend on.
     """
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     for t in outputs + ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())):
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             # Reading a subclass's autograd graph would call its __torch_function__.
             raise Unsupported(f"gradfx.capture of a tensor subclass ({type(t).__name__})")
+    for k, out in enumerate(outputs):
+        if isinstance(out, torch.Tensor) and out.grad_fn is None and not out.requires_grad:
+            raise RuntimeError(f"element {k} of tensors does not require grad and does not have a grad_fn")
     if grad_outputs is None:
         grad_outputs = (None,) * len(outputs)
     elif isinstance(grad_outputs, torch.Tensor):
@@ -48,17 +55,32 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
         grads.append(g)
     if inputs is not None:
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        if any(isinstance(t, torch.Tensor) and not t.requires_grad for t in inputs):
+            raise RuntimeError("One of the differentiated Tensors does not require grad")
     session = Session("eager", dynamic=dynamic)
     try:
         call = walk_backward(outputs, grads, inputs or (), accumulate=inputs is None)
-        symbolic = None
-        if dynamic is True:
-            positions = dynamic_candidates(call.sizes) - baked_positions(call)
-            symbolic = SymbolicSizes(call.sizes, positions) if positions else None
-        trace = trace_backward(call, symbolic)
     except _Fallback as fb:
         raise Unsupported(fb.reason) from None
-    guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
-    captured, _ = session.compile_graph(trace, call, compile=False, guards=guard.text,
-                                        size_positions=symbolic.positions if symbolic is not None else ())
+    for k, found in enumerate(call.outputs or ()):
+        if found is None:  # the graph would return None for it, where torch.autograd.grad raises
+            raise RuntimeError(unused_input_message(k))
+    window = torch_caches.Window()  # what tracing adds to torch's caches goes with the graph
+    try:
+        with window:
+            symbolic = None
+            if dynamic is True:
+                positions = dynamic_candidates(call.sizes) - baked_positions(call)
+                symbolic = SymbolicSizes(call.sizes, positions) if positions else None
+            try:
+                trace = trace_backward(call, symbolic)
+            except _Fallback as fb:
+                raise Unsupported(fb.reason) from None
+            guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
+            captured = session.compile_graph(trace, call, compile=False, guards=guard.text,
+                                             size_positions=symbolic.positions if symbolic is not None else ())[0]
+    except BaseException:
+        window.release_now()
+        raise
+    window.release_with(captured.graph_module)
     return captured

@@ -3,10 +3,16 @@
 Entries are found by the structure of the autograd graph (plus backend, passes
 and dynamic mode), then by sizes: a static entry by the exact size list, a
 dynamic entry by its guard.  The bound counts entries of both kinds.
+
+Everything kept per structure (the sizes of its latest capture, the positions
+made dynamic, its generated walker through ``on_forget``) goes when its last
+entry is evicted, so memory is bounded by the cache size however many
+structures, backends and pass lists a long run meets.
 """
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 
 DEFAULT_SIZE = 128
@@ -17,9 +23,11 @@ class GraphCache:
         self.max_size = max_size
         self._static: dict = {}  # (structure, sizes tuple) -> entry
         self._dynamic: dict = {}  # structure -> [entry], newest first
-        self._lru: OrderedDict = OrderedDict()  # id(entry) -> (structure, sizes tuple or None)
+        self._lru: OrderedDict = OrderedDict()  # id(entry) -> (structure, sizes tuple or None, entry)
+        self._per_structure: dict = {}  # structure -> number of entries
         self.last_sizes: dict = {}  # structure -> sizes of its latest capture
         self.dynamic_positions: dict = {}  # structure -> positions made dynamic so far
+        self.on_forget: list = []  # callables(structure), called when a structure's last entry goes
 
     def lookup(self, structure, sizes):
         entry = self._static.get((structure, tuple(sizes)))
@@ -47,8 +55,13 @@ class GraphCache:
             self._lru[id(entry)] = (structure, None, entry)
         else:
             key = tuple(sizes)
+            old = self._static.get((structure, key))
+            if old is not None:  # replaced: its LRU record must not evict the new one later
+                del self._lru[id(old)]
+                self._per_structure[structure] -= 1
             self._static[(structure, key)] = entry
             self._lru[id(entry)] = (structure, key, entry)
+        self._per_structure[structure] = self._per_structure.get(structure, 0) + 1
         self.last_sizes[structure] = list(sizes)
         self._evict()
 
@@ -61,11 +74,22 @@ class GraphCache:
                     del self._dynamic[structure]
             else:
                 del self._static[(structure, key)]
+            self._per_structure[structure] -= 1
+            if not self._per_structure[structure]:
+                self._forget(structure)
+
+    def _forget(self, structure) -> None:
+        del self._per_structure[structure]
+        self.last_sizes.pop(structure, None)
+        self.dynamic_positions.pop(structure, None)
+        for fn in self.on_forget:
+            fn(structure)
 
     def clear(self) -> None:
         self._static.clear()
         self._dynamic.clear()
         self._lru.clear()
+        self._per_structure.clear()
         self.last_sizes.clear()
         self.dynamic_positions.clear()
 
@@ -77,8 +101,18 @@ cache = GraphCache()
 
 
 def set_cache_size(max_size: int) -> None:
-    """Bound the number of cached graphs (least recently used are dropped)."""
-    if max_size < 1:
-        raise ValueError(f"cache size must be at least 1, got {max_size}")
-    cache.max_size = max_size
+    """Bound the number of cached graphs (least recently used are dropped).
+
+    ``max_size`` is an int of at least 1: TypeError for other types (bool
+    included), ValueError below 1.
+    """
+    if isinstance(max_size, bool):
+        raise TypeError("cache size must be an int, got bool")
+    try:
+        size = operator.index(max_size)  # ints and int-like (numpy) integers, never floats
+    except TypeError:
+        raise TypeError(f"cache size must be an int, got {type(max_size).__name__} ({max_size!r})") from None
+    if size < 1:
+        raise ValueError(f"cache size must be at least 1, got {size}")
+    cache.max_size = size
     cache._evict()

@@ -286,22 +286,44 @@ def instantiate(template: BackwardCall, nodes, owned, inputs, sizes, seq) -> Bac
 
 
 class Walkers:
-    """Generated walkers by root node type, most recently used first (bounded)."""
+    """Generated walkers by root node type, most recently used first (bounded).
+
+    A walker lives while its structure has a cached graph: the cache calls
+    :meth:`forget` when it evicts a structure's last entry.
+    """
 
     def __init__(self, per_root: int = 8):
         self.per_root = per_root
         self._by_root: dict = {}
+        self._where: dict = {}  # structure -> its (root type, config) list key
 
     def candidates(self, root_type, config) -> list:
         return self._by_root.get((root_type, config), ())
 
     def add(self, root_type, config, walker) -> None:
-        found = self._by_root.setdefault((root_type, config), [])
+        key = (root_type, config)
+        found = self._by_root.setdefault(key, [])
         found.insert(0, walker)
+        self._where[walker.structure] = key
+        for dropped in found[self.per_root:]:
+            self._where.pop(dropped.structure, None)
         del found[self.per_root:]
+
+    def forget(self, structure) -> None:
+        key = self._where.pop(structure, None)
+        if key is None:
+            return
+        found = self._by_root[key]
+        found[:] = [w for w in found if w.structure != structure]
+        if not found:
+            del self._by_root[key]
 
     def clear(self) -> None:
         self._by_root.clear()
+        self._where.clear()
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_root.values()))
 
 
 walkers = Walkers()

@@ -38,12 +38,42 @@ def _clone_obey_contract(grad: torch.Tensor, variable: torch.Tensor) -> torch.Te
     return grad.clone(memory_format=torch.contiguous_format)
 
 
-# References to an otherwise unshared gradient while accumulate_grad runs: the
-# graph's local variable, this function's argument, getrefcount's own argument.
+# References to an otherwise unshared gradient while accumulate_grad_unchecked
+# runs: the graph's local variable, this function's argument, getrefcount's own
+# argument (one more when accumulate_grad calls it).
 _UNSHARED_REFS = 3
 
 
+class WrongGradient(RuntimeError):
+    """A compiled graph handed accumulate_grad a gradient unlike its leaf.
+
+    Raised only for graphs compiled by a backend gradfx does not generate itself;
+    the run path re-raises it as a RuntimeError naming the backend.
+    """
+
+
+def _describe(t) -> str:
+    return f"{list(t.shape)} ({t.dtype}, {t.device})"
+
+
 def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool) -> None:
+    """AccumulateGrad with eager's semantics, for graphs run by any backend.
+
+    The eager engine only ever accumulates a gradient with the leaf's shape, dtype
+    and device; a backend's compiled code that produces anything else is refused
+    here (``old += grad`` would broadcast or cast it silently).  Graphs of the
+    ``eager`` backend, generated from the traced graph, call
+    :func:`accumulate_grad_unchecked` instead.
+    """
+    if grad is None or not variable.requires_grad:
+        return
+    if grad.shape != variable.shape or grad.dtype != variable.dtype or grad.device != variable.device:
+        raise WrongGradient(f"gave a gradient {_describe(grad)} to accumulate into a leaf {_describe(variable)}")
+    accumulate_grad_unchecked(variable, grad, may_steal, _UNSHARED_REFS + 1)
+
+
+def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool,
+                              unshared_refs: int = _UNSHARED_REFS) -> None:
     """AccumulateGrad with eager's semantics (grad mode is off while graphs run).
 
     The first gradient is stolen (``.grad`` becomes the gradient itself) when
@@ -56,7 +86,7 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool)
         return
     old = variable.grad
     if old is None:
-        unshared = may_steal and sys.getrefcount(grad) <= _UNSHARED_REFS and grad._use_count() <= 1
+        unshared = may_steal and sys.getrefcount(grad) <= unshared_refs and grad._use_count() <= 1
         if grad.is_sparse:
             variable.grad = _sparse_first_grad(grad, unshared)
         elif unshared and _obeys_layout_contract(grad, variable):
@@ -182,7 +212,7 @@ def _expandable(shape, desired) -> bool:
 
 def _side_effects():
     from .hook_ops import HOOK_CALLS
-    return frozenset({accumulate_grad, call_node, call_backward} | HOOK_CALLS)
+    return frozenset({accumulate_grad, accumulate_grad_unchecked, call_node, call_backward} | HOOK_CALLS)
 
 
 SIDE_EFFECTS = _side_effects()

@@ -26,7 +26,12 @@ _registry: dict[str, Pass] = {}
 
 def register_pass(name: str, fn: Pass | None = None):
     """Register ``fn`` under ``name`` (usable as a decorator)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a pass name must be a str, got {type(name).__name__} ({name!r})")
+
     def add(f: Pass) -> Pass:
+        if not callable(f):
+            raise TypeError(f"pass {name!r} must be callable, got {type(f).__name__}")
         _registry[name] = f
         return f
     return add(fn) if fn is not None else add
@@ -46,17 +51,29 @@ def list_passes() -> list[str]:
 
 
 def resolve(passes) -> list[tuple[str, Pass]]:
-    """Turn a ``passes=`` argument into (name, function) pairs; ValueError if unknown."""
+    """Turn a ``passes=`` argument into (name, function) pairs.
+
+    ``None`` is the default pipeline; a single name or callable means a pipeline of
+    that one pass.  ValueError for an unknown name, TypeError for anything else.
+    """
     if passes is None:
         passes = DEFAULT_PIPELINE
+    elif isinstance(passes, str) or callable(passes):
+        passes = [passes]  # iterating a string would give its letters
+    elif isinstance(passes, (bytes, dict)) or not hasattr(passes, "__iter__"):
+        raise TypeError(f"passes must be None, a pass name, or a list of pass names and callables "
+                        f"fn(graph) -> None, got {type(passes).__name__}")
     out = []
     for p in passes:
-        if callable(p):
-            out.append((getattr(p, "__name__", repr(p)), p))
-        elif p in _registry:
+        if isinstance(p, str):
+            if p not in _registry:
+                raise ValueError(f"unknown pass {p!r}; registered passes: {sorted(_registry)}")
             out.append((p, _registry[p]))
+        elif callable(p):
+            out.append((getattr(p, "__name__", type(p).__name__), p))
         else:
-            raise ValueError(f"unknown pass {p!r}; registered passes: {sorted(_registry)}")
+            raise TypeError(f"a pass must be a registered name (str) or a callable fn(graph) -> None, "
+                            f"got {type(p).__name__} ({p!r})")
     return out
 
 
@@ -69,7 +86,6 @@ class PassRecord:
     nodes_after: int
     moved: int
     seconds: float
-    code_after: str
 
     @property
     def removed(self) -> int:
@@ -80,8 +96,14 @@ class PassRecord:
                 f"({self.removed} removed, {self.moved} moved) in {self.seconds * 1e3:.2f} ms")
 
 
-def run_pipeline(graph: fx.Graph, passes: list[tuple[str, Pass]], keep_code: bool = True) -> list[PassRecord]:
-    """Run ``passes`` in order, linting after each; return what each did."""
+def run_pipeline(graph: fx.Graph, passes: list[tuple[str, Pass]]) -> list[PassRecord]:
+    """Run ``passes`` in order, linting after each; return what each did.
+
+    The records hold counts, not code: a long block keeps every graph it captured,
+    and a copy of the code after each pass would multiply that memory.  The code
+    after a prefix of the pipeline is that of a graph captured with ``passes=`` set
+    to the prefix.
+    """
     records = []
     for name, fn in passes:
         before = list(graph.nodes)
@@ -90,8 +112,7 @@ def run_pipeline(graph: fx.Graph, passes: list[tuple[str, Pass]], keep_code: boo
         seconds = time.perf_counter() - start
         graph.lint()
         after = list(graph.nodes)
-        records.append(PassRecord(name, len(before), len(after), _moved(before, after), seconds,
-                                  graph.python_code("self").src if keep_code else ""))
+        records.append(PassRecord(name, len(before), len(after), _moved(before, after), seconds))
     return records
 
 

@@ -122,7 +122,9 @@ def test_pipeline_records_each_pass():
     records = run_pipeline(g, resolve(None))
     assert [r.name for r in records] == gradfx.list_passes()
     assert records[0].removed == 1 and records[1].removed == 1
-    assert "detach" not in records[0].code_after
+    assert not any(n.target is aten.detach.default for n in g.nodes)
+    # Counts only: a long block keeps its graphs, not a copy of their code per pass.
+    assert all(not isinstance(v, str) or v == r.name for r in records for v in vars(r).values())
 
 
 def test_unknown_pass_name_is_a_clear_error():
