@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ def split(gm: fx.GraphModule) -> Split | None:
     return Split(fx.GraphModule(gm, pure), used, accumulations, len(grads), spec, len(outputs))
 
 
-def runner(s: Split, compile_pure, example_inputs: list, fallback):
+def runner(s: Split, compile_pure, example_inputs: list, fallback, name: str = "backend"):
     """A boxed callable: run the compiled pure part, then accumulate.
 
     ``compile_pure(pure_gm, example_inputs) -> fn(list) -> outputs`` compiles code
@@ -99,7 +100,9 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
     picks the compiled code).  Every shape of a graph's tensors is determined by
     its size inputs (the leading int placeholders; none in a static graph), so
     those ints are the key.  If compiling fails, the graph runs on ``fallback``
-    (the eager backend) with one warning.
+    (the eager backend) with one warning.  Compiles after the first happen on
+    cache hits: they count as ``recompiles`` and are logged, so that a cache hit
+    that takes seconds says why.
     """
     compiled: dict = {}
     leaf_positions = [leaf for leaf, _, _ in s.accumulations]
@@ -110,6 +113,7 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
     def compile_for(sub, key):
         fn = compiled.get(key)
         if fn is None:
+            start = time.perf_counter()
             try:
                 with torch.no_grad():
                     fn = compile_pure(s.pure, [a.detach() if isinstance(a, torch.Tensor) else a for a in sub])
@@ -118,6 +122,9 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
                               "running it on the eager backend", FallbackWarning)
                 fn = False
             compiled[key] = fn
+            if len(compiled) > 1:
+                from ..capture.session import note_recompile  # here: capture imports the backends
+                note_recompile(name, len(s.pure.graph.nodes), time.perf_counter() - start, key, len(compiled))
         return fn
 
     compile_for([example_inputs[i] for i in s.used_inputs], tuple(example_inputs[:n_sizes]))

@@ -31,7 +31,8 @@ from .walk import OPAQUE, BackwardCall, walk_backward
 
 log = logging.getLogger("gradfx")
 
-COUNTERS = ("captures", "cache_hits", "fallbacks", "compiles", "recaptures")
+# recompiles: a backend compiling a cached graph again for new sizes (inductor does, per shape)
+COUNTERS = ("captures", "cache_hits", "fallbacks", "compiles", "recaptures", "recompiles")
 _global_stats = dict.fromkeys(COUNTERS, 0)
 _local = threading.local()
 
@@ -50,6 +51,21 @@ def reset() -> None:
     fast_walk.walkers.clear()
     for k in _global_stats:
         _global_stats[k] = 0
+
+
+def note_recompile(backend: str, nodes: int, seconds: float, sizes: tuple, count: int) -> None:
+    """A backend compiled a cached graph again, for new sizes (on a cache hit).
+
+    Counted as ``recompiles`` in the innermost block on this thread (the one
+    whose backward is running) and logged, so that a slow cache hit says why.
+    """
+    session = current()
+    if session is not None:
+        session._count("recompiles")
+    else:
+        _global_stats["recompiles"] += 1
+    log.info("gradfx: backend %s recompiled a cached backward of %d fx nodes for sizes %s in %.2f s "
+             "(%d compiled size sets for this graph)", backend, nodes, list(sizes), seconds, count)
 
 
 def current() -> "Session | None":
