@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import explain
 from .captured_graph import CapturedGraph
 from .errors import Unsupported, _Fallback
 from .session import Session
@@ -54,7 +55,8 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
         trace = trace_backward(call, symbolic)
     except _Fallback as fb:
         raise Unsupported(fb.reason) from None
-    guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
-    captured, _ = session.compile_graph(trace, call, compile=False, guards=guard.text,
+    describe = lambda p: explain.describe_position(call, p)  # noqa: E731  (as a block's guards)
+    guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
+    captured, _ = session.compile_graph(trace, call, compile=False, guards=explain.compact_guards(guard.text),
                                         size_positions=symbolic.positions if symbolic is not None else ())
     return captured

@@ -210,7 +210,7 @@ class Session:
         describe = lambda p: explain.describe_position(call, p)  # noqa: E731
         guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
         captured, compiled = self.compile_graph(
-            trace, call, guards=guard.text, size_positions=symbolic.positions if symbolic is not None else ())
+            trace, call, guards=explain.compact_guards(guard.text), size_positions=symbolic.positions if symbolic is not None else ())
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
         self.graphs.append(captured)
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
