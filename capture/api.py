@@ -13,22 +13,25 @@ from .tracer import trace_backward
 from .walk import walk_backward
 
 
-def compiled_autograd(backend="eager", *, dynamic="auto", strict=False, passes=None) -> Session:
+def compiled_autograd(backend="eager", *, dynamic="auto", strict=False, passes=None, names=None) -> Session:
     """Context manager: backward calls on this thread inside the block go through gradfx.
 
     ``backend``: a registered name or a compiler callable ``fn(gm, example_inputs)``
     (or ``fn(gm)``).  ``dynamic``: ``"auto"``, ``True`` or ``False``.  ``strict``:
     raise :class:`Unsupported` instead of falling back to eager.  ``passes``: the
-    pass pipeline (names or callables), ``None`` for the default.
+    pass pipeline (names or callables), ``None`` for the default.  ``names``: an
+    ``nn.Module`` or a mapping tensor -> name; leaves are shown under those names
+    (display only: never part of the cache key).
     """
-    return Session(backend, dynamic=dynamic, strict=strict, passes=passes)
+    return Session(backend, dynamic=dynamic, strict=strict, passes=passes, names=names)
 
 
-def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> CapturedGraph:
+def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=None) -> CapturedGraph:
     """Trace the backward of ``outputs`` and return the graph, without running it.
 
     No gradient math runs, no hook is called, no ``.grad`` changes; a later
     ``backward()`` on the same outputs behaves as if ``capture`` was never called.
+    ``names``: as for :func:`compiled_autograd`.
     """
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     if grad_outputs is None:
@@ -45,7 +48,7 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
         grads.append(g)
     if inputs is not None:
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    session = Session("eager", dynamic=dynamic)
+    session = Session("eager", dynamic=dynamic, names=names)
     try:
         call = walk_backward(outputs, grads, inputs or (), accumulate=inputs is None)
         symbolic = None
@@ -58,5 +61,6 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
     describe = lambda p: explain.describe_position(call, p)  # noqa: E731  (as a block's guards)
     guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
     captured, _ = session.compile_graph(trace, call, compile=False, guards=explain.compact_guards(guard.text),
-                                        size_positions=symbolic.positions if symbolic is not None else ())
+                                        size_positions=symbolic.positions if symbolic is not None else (),
+                                        grad_inputs=inputs or ())
     return captured

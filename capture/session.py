@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .. import backends, reorder
-from . import distributed, fast_walk, hook_ops, routing
+from . import annotate, distributed, fast_walk, hook_ops, routing
 from .cache import cache
 from .captured_graph import CapturedGraph
 from .errors import FallbackWarning, Unsupported, _Fallback
@@ -94,9 +94,10 @@ class CompiledBackward:
 class Session:
     """State of one ``with gradfx.compiled_autograd(...)`` block."""
 
-    def __init__(self, backend="eager", *, dynamic="auto", strict=False, passes=None):
+    def __init__(self, backend="eager", *, dynamic="auto", strict=False, passes=None, names=None):
         if dynamic not in ("auto", True, False):
             raise ValueError(f"dynamic must be 'auto', True or False, got {dynamic!r}")
+        self.names = annotate.Names(names) if names is not None else None  # display only: never keyed
         self.backend_name, self.backend_fn = backends.lookup(backend)
         self.passes = reorder.resolve(passes)
         self.dynamic = dynamic
@@ -147,7 +148,7 @@ class Session:
                 structure = (call.key, self._config_key)
             entry = cache.lookup(structure, call.sizes)
             if entry is None:
-                entry = self._capture(call, structure, tensors)
+                entry = self._capture(call, structure, tensors, () if accumulate_grad else inputs)
                 self._count("captures")
             else:
                 self._count("cache_hits")
@@ -184,7 +185,7 @@ class Session:
         self._count("fallbacks")
         return engine.run_backward(*args)
 
-    def _capture(self, call: BackwardCall, structure, tensors) -> CompiledBackward:
+    def _capture(self, call: BackwardCall, structure, tensors, grad_inputs=()) -> CompiledBackward:
         recapture = cache.known(structure)
         if recapture:
             self._count("recaptures")
@@ -210,7 +211,8 @@ class Session:
         describe = lambda p: explain.describe_position(call, p)  # noqa: E731
         guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
         captured, compiled = self.compile_graph(
-            trace, call, guards=explain.compact_guards(guard.text), size_positions=symbolic.positions if symbolic is not None else ())
+            trace, call, guards=explain.compact_guards(guard.text), grad_inputs=grad_inputs,
+            size_positions=symbolic.positions if symbolic is not None else ())
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
         self.graphs.append(captured)
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
@@ -257,8 +259,10 @@ class Session:
             log.debug("gradfx: trace failed", exc_info=True)
             raise _Fallback(f"tracing failed ({type(err).__name__}: {err})") from err
 
-    def compile_graph(self, trace, call: BackwardCall, compile: bool = True, guards=(), size_positions=()):
+    def compile_graph(self, trace, call: BackwardCall, compile: bool = True, guards=(), size_positions=(),
+                      grad_inputs=()):
         start = time.perf_counter()
+        annotate.apply(trace.graph, call, self.names, grad_inputs)
         records = reorder.run_pipeline(trace.graph, self.passes)
         examples = [call.sizes[p] for p in size_positions] + list(call.inputs)
         gm = fx.GraphModule(torch.nn.Module(), trace.graph)

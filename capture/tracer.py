@@ -116,6 +116,7 @@ class _Tracer:
             owner = call.input_owner[i]
             if owner >= 0:
                 proxy.node.meta["gradfx_node"] = call.node_label(owner)
+                proxy.node.meta["gradfx_node_index"] = owner  # labels repeat (leaves): groups need the index
             if kind in ("grad", "saved"):
                 fake = self.fake_tensor(i, value)
                 track_tensor_tree(fake, proxy, constant=None, tracer=self.tracer)
@@ -359,6 +360,7 @@ def _run_engine(t: _Tracer, grads):
         node = marker.next
         while node is not graph._root:
             node.meta.setdefault("gradfx_node", label)
+            node.meta.setdefault("gradfx_node_index", i)
             node = node.next
     return captured
 
