@@ -124,7 +124,8 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback, name: str = "
             compiled[key] = fn
             if len(compiled) > 1:
                 from ..capture.session import note_recompile  # here: capture imports the backends
-                note_recompile(name, len(s.pure.graph.nodes), time.perf_counter() - start, key, len(compiled))
+                note_recompile(name, len(s.pure.graph.nodes), time.perf_counter() - start, key, next(iter(compiled)),
+                               len(compiled))
         return fn
 
     compile_for([example_inputs[i] for i in s.used_inputs], tuple(example_inputs[:n_sizes]))

@@ -17,7 +17,7 @@ import html
 import torch
 import torch.fx as fx
 
-from . import display, picture
+from . import display
 from .display import node_kind  # noqa: F401  (the one classifier; kept importable from here)
 
 
@@ -89,6 +89,7 @@ class CapturedGraph:
         picture on every machine), ``"dot"`` (Graphviz's ``dot``, which must be
         installed) or ``"auto"`` (dot when installed, else layered).
         """
+        from . import picture  # networkx costs a quarter second to import: only when drawing
         return picture.draw(self.graph_module, detail, engine)
 
     def _repr_html_(self) -> str:

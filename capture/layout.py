@@ -429,7 +429,7 @@ def _layered(scene: Scene) -> Layout:
     for k, height in enumerate(top.heights):
         row_top.append(y)
         y += height + top.gap(k, GAP_Y)
-    total_h = y - top.gap(len(top.heights) - 1, GAP_Y) + PAD
+    total_h = y - top.gap(len(top.heights) - 1, GAP_Y) + PAD if top.heights else 2 * PAD
     xs = [top.x[i] - top.width[i] / 2 for i in top.x]
     shift = PAD - min(xs) if xs else PAD
     right = max(top.x[i] + top.width[i] / 2 for i in top.x) + shift + PAD if xs else 2 * PAD

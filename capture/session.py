@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import warnings
+from collections import Counter
 
 import torch
 import torch.fx as fx
@@ -53,19 +54,23 @@ def reset() -> None:
         _global_stats[k] = 0
 
 
-def note_recompile(backend: str, nodes: int, seconds: float, sizes: tuple, count: int) -> None:
+def note_recompile(backend: str, nodes: int, seconds: float, sizes: tuple, first: tuple, count: int) -> None:
     """A backend compiled a cached graph again, for new sizes (on a cache hit).
 
     Counted as ``recompiles`` in the innermost block on this thread (the one
-    whose backward is running) and logged, so that a slow cache hit says why.
+    whose backward is running) and logged with how the sizes differ from the
+    graph's first compile, so that a slow cache hit says why.
     """
     session = current()
     if session is not None:
         session._count("recompiles")
     else:
         _global_stats["recompiles"] += 1
-    log.info("gradfx: backend %s recompiled a cached backward of %d fx nodes for sizes %s in %.2f s "
-             "(%d compiled size sets for this graph)", backend, nodes, list(sizes), seconds, count)
+    if log.isEnabledFor(logging.INFO):
+        changes = Counter((a, b) for a, b in zip(first, sizes) if a != b)
+        what = ", ".join(f"{a} -> {b}" + (f" ({n} sizes)" if n > 1 else "") for (a, b), n in changes.most_common(4))
+        log.info("gradfx: backend %s recompiled a cached backward of %d fx nodes in %.2f s for new sizes "
+                 "(%s); %d compiled versions of this graph", backend, nodes, seconds, what or "none", count)
 
 
 def current() -> "Session | None":
