@@ -29,6 +29,9 @@ _registry: dict[str, Backend] = {}
 
 def register_backend(name: str, fn: Backend | None = None):
     """Register ``fn`` as backend ``name``; as a decorator it returns ``fn`` unchanged."""
+    if not isinstance(name, str):
+        raise TypeError(f"a backend name must be a str, got {type(name).__name__}")
+
     def add(f: Backend) -> Backend:
         if not callable(f):
             raise TypeError(f"backend {name!r} must be callable, got {type(f).__name__}")

@@ -170,6 +170,14 @@ def test_unknown_backend_raises_before_any_gradient():
     assert x.grad is None
 
 
+def test_backend_name_must_be_a_str():
+    with pytest.raises(TypeError, match="str"):
+        gradfx.register_backend(3, lambda gm, example_inputs: gm)
+    with pytest.raises(TypeError, match="str"):
+        gradfx.register_backend(None)
+    assert None not in gradfx.list_backends()
+
+
 def test_user_backend_two_and_one_argument_forms():
     calls = []
 
