@@ -65,9 +65,10 @@ class CapturedGraph:
             k = node_kind(node)
             kinds[k] = kinds.get(k, 0) + 1
         parts = ", ".join(f"{v} {k}" for k, v in kinds.items())
+        guards = ("; ".join(self.guards) if len(self.guards) <= 2 else f"{len(self.guards)} lines (.guards)") or "none"
         return (f"CapturedGraph: {self.autograd_nodes} autograd nodes -> "
                 f"{len(self.graph_module.graph.nodes)} fx nodes ({parts}); "
-                f"{len(self.opaque_nodes)} opaque; guards: {self.guards or 'none'}")
+                f"{len(self.opaque_nodes)} opaque; guards: {guards}")
 
     def __repr__(self) -> str:
         return self.summary()
