@@ -9,8 +9,9 @@ Two engines give the same result type (:class:`Layout`):
   then the frames themselves.  Each level assigns layers from networkx's
   ``topological_generations``, inserts pass-through points for edges that skip
   layers, orders each layer by barycenters (keeping the order with the fewest
-  crossings) and places the layer by isotonic regression (each box as close to
-  the mean of its neighbours as the order allows).  An edge leaving or entering
+  crossings) and places the layer by weighted isotonic regression (each box as
+  close to its neighbours as the order allows; what carries more of the graph
+  below it moves less, so the main path runs straight).  An edge leaving or entering
   a frame goes through a port on the frame's bottom or top edge, reserved in
   the frame's own layout, so edges never run through boxes.
 
@@ -252,11 +253,15 @@ def _place_rows(rows, width, down, up, fixed_weight, sweeps: int = 6) -> dict:
         for item, c in zip(row, centres):
             x[item] = c - shift
 
-    # The flow of gradients (ports, edges passing through, boxes between two
-    # others) holds its line; side inputs (saved tensors) and dead ends
-    # (accumulations) give way.  With equal weights the main path drifts
-    # sideways frame after frame.
-    weight = {i: 16.0 if _is_port(i) else 8.0 if (down[i] and up[i]) else 1.0 for i in x}
+    # What carries the most of the graph below it holds its line; short
+    # branches (an accumulation, a transpose feeding one) and side inputs give
+    # way, and a long edge bends around the flow rather than the flow around it.
+    # With equal weights the main path drifts sideways at every branch.
+    below = {}
+    for row in reversed(rows):
+        for item in row:
+            below[item] = max((below[v] + 1 for v, _, _ in down[item]), default=0)
+    weight = {i: (1.0 + below[i]) * (0.3 if isinstance(i, tuple) and i[0] == "pass" else 1.0) for i in x}
     weight.update(fixed_weight)
 
     def relax(row, links):

@@ -182,7 +182,6 @@ def _svg(boxes, edges, layout: Layout, groups, detail, header, code) -> str:
     for k, line in enumerate(header[1:]):
         out.append(f'<text x="8" y="{HEADER_H + LINE_H * k:.0f}" fill="#555">{html.escape(line)}</text>')
     out.append(f'<g class="graph" transform="translate(0,{top})">')
-    by_id = {b.id: b for b in boxes}
     if detail == "full":
         for index, (x0, y0, x1, y1) in sorted(layout.frames.items(), key=lambda kv: str(kv[0])):
             name = groups.get(index, "")
