@@ -91,7 +91,6 @@ def annotate_error(err: BaseException, graph_module) -> None:
 
 COMPACT_AFTER = 12  # guard lines; more are grouped
 
-_BOUND = re.compile(r"^(s\d+) (>=|<=) (-?\d+)$")
 _EQUAL = re.compile(r"^sizes\[(\d+)\] == (.+)$")
 _WHERE = re.compile(r"^where (s\d+) is sizes\[(\d+)\]: (.*?)(?: (dim|stride) (\d+)| \(item (\d+)\))$")
 
@@ -99,21 +98,18 @@ _WHERE = re.compile(r"^where (s\d+) is sizes\[(\d+)\]: (.*?)(?: (dim|stride) (\d
 def compact_guards(lines: list[str], limit: int = COMPACT_AFTER) -> list[str]:
     """Guard lines as they are, or grouped when there are more than ``limit``.
 
-    Grouped: symbols with the same bound share a line (``s0, s1, s10 >= 2``),
-    positions equal to the same expression share a line (``sizes[2..5, 17] ==
-    s0``), and symbols read from one tensor or saved value share their
-    explanation (``where s3, s4 are sizes[9, 10]: saved tensor of AddmmBackward0
-    #11 dims 0, 1``).  Other lines stay as they are, in order.
+    Grouped: positions equal to the same expression share a line
+    (``sizes[2..5, 17] == s0``), and symbols read from one tensor or saved value
+    share their explanation (``where s3, s4 are sizes[9, 10]: saved tensor of
+    AddmmBackward0 #11 dims 0, 1``).  Other lines (each symbol's range first)
+    stay as they are, in order.
     """
     if len(lines) <= limit:
         return list(lines)
     groups: dict = {}  # group key -> [first line index, members]
     plain = []
     for k, line in enumerate(lines):
-        if m := _BOUND.match(line):
-            key = ("bound", m.group(2), m.group(3))
-            member = m.group(1)
-        elif m := _EQUAL.match(line):
+        if m := _EQUAL.match(line):
             key, member = ("equal", m.group(2)), int(m.group(1))
         elif m := _WHERE.match(line):
             word = "item" if m.group(6) is not None else m.group(4)
@@ -128,8 +124,6 @@ def compact_guards(lines: list[str], limit: int = COMPACT_AFTER) -> list[str]:
 
 
 def _group_line(key, members) -> str:
-    if key[0] == "bound":
-        return f"{', '.join(members)} {key[1]} {key[2]}"
     if key[0] == "equal":
         return f"sizes[{_positions(members)}] == {key[1]}"
     _, subject, word = key
