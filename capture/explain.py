@@ -95,7 +95,7 @@ _EQUAL = re.compile(r"^sizes\[(\d+)\] == (.+)$")
 _WHERE = re.compile(r"^where (s\d+) is sizes\[(\d+)\]: (.*?)(?: (dim|stride) (\d+)| \(item (\d+)\))$")
 
 
-def compact_guards(lines: list[str], limit: int = COMPACT_AFTER) -> list[str]:
+def compact_guards(lines: list[str], limit: int | None = None) -> list[str]:
     """Guard lines as they are, or grouped when there are more than ``limit``.
 
     Grouped: positions equal to the same expression share a line
@@ -104,7 +104,7 @@ def compact_guards(lines: list[str], limit: int = COMPACT_AFTER) -> list[str]:
     AddmmBackward0 #11 dims 0, 1``).  Other lines (each symbol's range first)
     stay as they are, in order.
     """
-    if len(lines) <= limit:
+    if len(lines) <= (COMPACT_AFTER if limit is None else limit):
         return list(lines)
     groups: dict = {}  # group key -> [first line index, members]
     plain = []

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import gradfx
+from gradfx.capture import explain
 from gradfx.capture.explain import compact_guards
 
 
@@ -57,13 +58,20 @@ def test_many_guards_are_grouped():
     assert compact_guards(lines[:5]) == lines[:5]  # few: as written
 
 
-def test_dynamic_capture_guards_are_compact():
+def test_dynamic_capture_guards_are_compact(monkeypatch):
     model = _model()
     x = torch.randn(8, 16)
-    g = gradfx.capture(model(x).square().mean(), dynamic=True)
-    symbols = [line.split()[0] for line in g.guards if line.endswith(" >= 2")]
-    equal = [line for line in g.guards if line.startswith("sizes[")]
-    # each expression once, each symbol explained with the other sizes of its tensor
-    assert len({line.split(" == ")[1] for line in equal}) == len(equal)
-    assert len([line for line in g.guards if line.startswith("where ")]) < len(symbols)
-    assert len(g.guards) < 2 * len(symbols) + 4
+    compact = gradfx.capture(model(x).square().mean(), dynamic=True).guards
+    limit = explain.COMPACT_AFTER
+    monkeypatch.setattr(explain, "COMPACT_AFTER", 10 ** 6)
+    full = gradfx.capture(model(x).square().mean(), dynamic=True).guards
+    assert len(full) > limit and len(compact) < 0.75 * len(full)
+    # the same ranges, each symbol explained once, each expression once
+    ranges = [line for line in full if not line.startswith(("sizes[", "where "))]
+    assert [line for line in compact if not line.startswith(("sizes[", "where "))] == ranges
+    explained = [s for line in compact if line.startswith("where ") for s in line.split(":")[0].split()[1:]
+                 if re.fullmatch(r"s\d+,?", s)]
+    assert sorted(s.rstrip(",") for s in explained) == sorted(
+        line.split()[1] for line in full if line.startswith("where "))
+    equal = [line.split(" == ")[1] for line in compact if line.startswith("sizes[")]
+    assert len(set(equal)) == len(equal)
