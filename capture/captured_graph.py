@@ -13,12 +13,15 @@ What each view shows is decided in ``display`` (kinds and names) and drawn by
 from __future__ import annotations
 
 import html
+import logging
 
 import torch
 import torch.fx as fx
 
 from . import display
 from .display import node_kind  # noqa: F401  (the one classifier; kept importable from here)
+
+log = logging.getLogger("gradfx")
 
 
 class CapturedGraph:
@@ -95,10 +98,15 @@ class CapturedGraph:
 
     def _repr_html_(self) -> str:
         rows = self.table()
+        try:
+            picture = self.to_svg()
+        except Exception as err:  # the table and code still show what the graph is
+            log.warning("gradfx: could not draw the graph: %s: %s", type(err).__name__, err)
+            picture = f"<p>(no picture: {html.escape(type(err).__name__)}: {html.escape(str(err))})</p>"
         passes = "".join(f"<li>{html.escape(str(p))}</li>" for p in self.passes)
         guards = "".join(f"<li><code>{html.escape(g)}</code></li>" for g in self.guards) or "<li>none</li>"
         return (f"<div><p><b>{html.escape(self.summary())}</b></p>"
-                f"<div style='overflow:auto; max-height:640px'>{self.to_svg()}</div>"
+                f"<div style='overflow:auto; max-height:640px'>{picture}</div>"
                 f"<details><summary>table ({len(rows)} rows)</summary>{display.html_table(rows)}</details>"
                 f"<p>Guards:</p><ul>{guards}</ul><p>Passes:</p><ol>{passes}</ol>"
                 f"<details><summary>code</summary><pre>{html.escape(self.code)}</pre></details></div>")

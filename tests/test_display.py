@@ -329,3 +329,15 @@ def test_html_view_has_picture_and_table_without_runtime_inputs():
     html = gradfx.capture(loss, names=model)._repr_html_()
     assert "<svg" in html and "<table>" in html and "0.weight" in html
     assert "node_" not in html.split("<pre>")[0]  # only the code mentions them
+
+
+def test_html_view_survives_a_failing_picture(monkeypatch, caplog):
+    model, loss = mlp()
+    g = gradfx.capture(loss, names=model)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no room")
+    monkeypatch.setattr(picture, "draw", broken)
+    html = g._repr_html_()
+    assert "(no picture: RuntimeError: no room)" in html and "<table>" in html
+    assert any("could not draw" in r.getMessage() for r in caplog.records)
