@@ -33,7 +33,7 @@ def _time_backward(model, x, y, use_gradfx, steps):
     return sorted(times)[len(times) // 2]
 
 
-def demo(steps: int = 20) -> None:
+def demo(steps: int = 20, svg: str | None = None) -> None:
     torch.manual_seed(0)
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     model = _model()
@@ -45,7 +45,7 @@ def demo(steps: int = 20) -> None:
             o.zero_grad()
             loss = nn.functional.cross_entropy(m(x), y)
             if use:
-                with gradfx.compiled_autograd(backend="eager"):
+                with gradfx.compiled_autograd(backend="eager", names=model):
                     loss.backward()
             else:
                 loss.backward()
@@ -53,12 +53,15 @@ def demo(steps: int = 20) -> None:
         print(f"  step {step}: loss {loss.item():.4f}, gradients bitwise equal to eager: {same}")
         opt.step()
         ref_opt.step()
-    graph = gradfx.capture(nn.functional.cross_entropy(model(x), y))
+    graph = gradfx.capture(nn.functional.cross_entropy(model(x), y), names=model)
     print("\nThe captured backward graph:\n")
     graph.print_readable()
     print(graph.summary())
-    for record in graph.passes:
-        print("  pass", record)
+    print("Passes:", repr(graph.passes), sep="\n")
+    if svg:
+        with open(svg, "w") as f:
+            f.write(graph.to_svg())
+        print(f"Picture of the graph: {svg}")
     print("\nCounters:", gradfx.stats())
     eager_t = _time_backward(copy.deepcopy(reference), x, y, False, steps)
     gfx_t = _time_backward(copy.deepcopy(reference), x, y, True, steps)
@@ -70,8 +73,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gradfx")
     parser.add_argument("command", choices=["demo"])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--svg", metavar="PATH", help="also write the graph's picture (SVG) to PATH")
     args = parser.parse_args(argv)
-    demo(args.steps)
+    demo(args.steps, args.svg)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ A backend follows torch.compile's custom-backend protocol,
 ``fn(gm) -> callable`` (what PyTorch's compiled autograd takes) is accepted too.
 The callable is called with the runtime inputs as positional arguments.
 
-The graph a backend receives has one placeholder per runtime input: root
-gradients (``grad_*``), saved tensors (``saved_*``), leaf tensors (``leaf_*``)
-and autograd node objects (``node_*``).  Besides aten ops it calls gradfx's
+The graph a backend receives has one placeholder per runtime input: sizes
+(``size_*``, symbolic graphs only), root gradients (``grad_*``), saved tensors
+(``saved_*``), leaf tensors (``leaf_*``, or ``l_<name>`` when named with
+``names=``), autograd node objects (``node_*``), hook callables (``hook_*``) and
+retained tensors (``retained_*``).  Besides aten ops it calls gradfx's
 runtime functions (``gradfx.capture.runtime_ops``): ``accumulate_grad`` writes a
 leaf's ``.grad``; ``call_node`` runs a real autograd node that could not be traced.
 These are Python side effects a backend must call, not trace into.

@@ -63,7 +63,7 @@ def _split_backend(name: str, compile_pure):
             log.info("gradfx: backend %s runs this graph on the eager backend (it calls hooks or "
                      "opaque nodes, which stay in Python)", name)
             return eager(gm, example_inputs)
-        return runner(parts, compile_pure, example_inputs, eager(gm, example_inputs)._boxed)
+        return runner(parts, compile_pure, example_inputs, eager(gm, example_inputs)._boxed, name)
     backend.__name__ = name
     return takes_plain_graph(backend)
 

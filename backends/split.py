@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ def split(gm: fx.GraphModule) -> Split | None:
     return Split(fx.GraphModule(gm, pure), used, accumulations, len(grads), spec, len(outputs))
 
 
-def runner(s: Split, compile_pure, example_inputs: list, fallback):
+def runner(s: Split, compile_pure, example_inputs: list, fallback, name: str = "backend"):
     """A boxed callable: run the compiled pure part, then accumulate.
 
     ``compile_pure(pure_gm, example_inputs) -> fn(list) -> outputs`` compiles code
@@ -101,7 +102,9 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
     those ints are the key.  The first compile fails like any backend compile
     (gradfx warns and uses the eager backend, or raises ``Unsupported`` in strict
     mode); a later one happens while the graph runs, its inputs already taken
-    over, so the graph then runs on ``fallback`` (the eager backend) with a warning.
+    over, so the graph then runs on ``fallback`` (the eager backend) with a
+    warning.  Compiles after the first happen on cache hits: they count as
+    ``recompiles`` and are logged, so that a cache hit that takes seconds says why.
     """
     compiled: dict = {}
     leaf_positions = [leaf for leaf, _, _ in s.accumulations]
@@ -116,6 +119,7 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
     def compile_for(sub, key):
         fn = compiled.get(key)
         if fn is None:
+            start = time.perf_counter()
             try:
                 fn = compile_now(sub)
             except Exception as err:
@@ -123,6 +127,10 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback):
                               "running it on the eager backend", FallbackWarning)
                 fn = False
             compiled[key] = fn
+            if len(compiled) > 1:
+                from ..capture.session import note_recompile  # here: capture imports the backends
+                note_recompile(name, len(s.pure.graph.nodes), time.perf_counter() - start, key, next(iter(compiled)),
+                               len(compiled))
         return fn
 
     compiled[tuple(example_inputs[:n_sizes])] = compile_now([example_inputs[i] for i in s.used_inputs])

@@ -247,7 +247,7 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
     saved_of: dict[int, list] = {}
     for n in placeholders:
         if n.meta.get("gradfx_kind") == "saved":
-            saved_of.setdefault(n.meta["gradfx_owner"], []).append(n)
+            saved_of.setdefault(n.meta["gradfx_node_index"], []).append(n)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -263,7 +263,7 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             if mask is None or cls.__name__ in _OPAQUE_FUNCTIONS:
                 _as_custom_op(graph, node, adapter, position)
             else:
-                _as_rebuilt_backward(graph, node, cls, ctx, mask, saved_of.get(node.meta["gradfx_owner"], []))
+                _as_rebuilt_backward(graph, node, cls, ctx, mask, saved_of.get(node.meta["gradfx_node_index"], []))
                 adapter.contexts.append(position[node.args[0]])
         elif node.target is runtime_ops.call_node:
             _as_custom_op(graph, node, adapter, position)

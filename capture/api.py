@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import torch_caches
+from . import explain, torch_caches
 from .captured_graph import CapturedGraph
 from .errors import Unsupported, _Fallback
 from .session import Session, unused_input_message
@@ -13,18 +13,20 @@ from .tracer import trace_backward
 from .walk import walk_backward
 
 
-def compiled_autograd(backend="eager", *, dynamic="auto", strict=False, passes=None) -> Session:
+def compiled_autograd(backend="eager", *, dynamic="auto", strict=False, passes=None, names=None) -> Session:
     """Context manager: backward calls on this thread inside the block go through gradfx.
 
     ``backend``: a registered name or a compiler callable ``fn(gm, example_inputs)``
     (or ``fn(gm)``).  ``dynamic``: ``"auto"``, ``True`` or ``False``.  ``strict``:
     raise :class:`Unsupported` instead of falling back to eager.  ``passes``: the
-    pass pipeline (names or callables), ``None`` for the default.
+    pass pipeline (names or callables), ``None`` for the default.  ``names``: an
+    ``nn.Module`` or a mapping tensor -> name; leaves are shown under those names
+    (display only: never part of the cache key).
     """
-    return Session(backend, dynamic=dynamic, strict=strict, passes=passes)
+    return Session(backend, dynamic=dynamic, strict=strict, passes=passes, names=names)
 
 
-def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> CapturedGraph:
+def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=None) -> CapturedGraph:
     """Trace the backward of ``outputs`` and return the graph, without running it.
 
     No gradient math runs, no hook is called, no ``.grad`` changes; a later
@@ -32,6 +34,7 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
     Arguments that ``torch.autograd.grad(outputs, inputs)`` refuses raise its error
     here, before anything is captured: an output that does not require grad, an
     input that does not require grad, an input the outputs do not depend on.
+    ``names``: as for :func:`compiled_autograd`.
     """
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     for t in outputs + ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())):
@@ -57,7 +60,7 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         if any(isinstance(t, torch.Tensor) and not t.requires_grad for t in inputs):
             raise RuntimeError("One of the differentiated Tensors does not require grad")
-    session = Session("eager", dynamic=dynamic)
+    session = Session("eager", dynamic=dynamic, names=names)
     try:
         call = walk_backward(outputs, grads, inputs or (), accumulate=inputs is None)
     except _Fallback as fb:
@@ -76,9 +79,11 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False) -> Captur
                 trace = trace_backward(call, symbolic)
             except _Fallback as fb:
                 raise Unsupported(fb.reason) from None
-            guard = symbolic.guard() if symbolic is not None else Guard.static(call.sizes)
-            captured = session.compile_graph(trace, call, compile=False, guards=guard.text,
-                                             size_positions=symbolic.positions if symbolic is not None else ())[0]
+            describe = lambda p: explain.describe_position(call, p)  # noqa: E731  (as a block's guards)
+            guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
+            captured = session.compile_graph(trace, call, compile=False, guards=explain.compact_guards(guard.text),
+                                             size_positions=symbolic.positions if symbolic is not None else (),
+                                             grad_inputs=inputs or (), keep_code=True)[0]
     except BaseException:
         window.release_now()
         raise

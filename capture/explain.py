@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import linecache
 import logging
+import re
 
 from .walk import BackwardCall, _NodeMark
 
@@ -86,3 +87,67 @@ def annotate_error(err: BaseException, graph_module) -> None:
             if label:
                 err.add_note(f"gradfx: raised while running the backward of {label} (graph node {name})")
             return
+
+
+COMPACT_AFTER = 12  # guard lines; more are grouped
+
+_EQUAL = re.compile(r"^sizes\[(\d+)\] == (.+)$")
+_WHERE = re.compile(r"^where (s\d+) is sizes\[(\d+)\]: (.*?)(?: (dim|stride) (\d+)| \(item (\d+)\))$")
+
+
+def compact_guards(lines: list[str], limit: int | None = None) -> list[str]:
+    """Guard lines as they are, or grouped when there are more than ``limit``.
+
+    Grouped: positions equal to the same expression share a line
+    (``sizes[2..5, 17] == s0``), and symbols read from one tensor or saved value
+    share their explanation (``where s3, s4 are sizes[9, 10]: saved tensor of
+    AddmmBackward0 #11 dims 0, 1``).  Other lines (each symbol's range first)
+    stay as they are, in order.
+    """
+    if len(lines) <= (COMPACT_AFTER if limit is None else limit):
+        return list(lines)
+    groups: dict = {}  # group key -> [first line index, members]
+    plain = []
+    for k, line in enumerate(lines):
+        if m := _EQUAL.match(line):
+            key, member = ("equal", m.group(2)), int(m.group(1))
+        elif m := _WHERE.match(line):
+            word = "item" if m.group(6) is not None else m.group(4)
+            index = m.group(6) if m.group(6) is not None else m.group(5)
+            key, member = ("where", m.group(3), word), (m.group(1), int(m.group(2)), index)
+        else:
+            plain.append((k, line))
+            continue
+        groups.setdefault(key, [k, []])[1].append(member)
+    out = plain + [(first, _group_line(key, members)) for key, (first, members) in groups.items()]
+    return [line for _, line in sorted(out, key=lambda t: t[0])]
+
+
+def _group_line(key, members) -> str:
+    if key[0] == "equal":
+        return f"sizes[{_positions(members)}] == {key[1]}"
+    _, subject, word = key
+    symbols = ", ".join(s for s, _, _ in members)
+    where = _positions([p for _, p, _ in members])
+    indices = ", ".join(i for _, _, i in members)
+    if len(members) == 1:
+        tail = f"({word} {indices})" if word == "item" else f"{word} {indices}"
+        return f"where {symbols} is sizes[{where}]: {subject} {tail}"
+    tail = f"(items {indices})" if word == "item" else f"{word}s {indices}"
+    return f"where {symbols} are sizes[{where}]: {subject} {tail}"
+
+
+def _positions(ps) -> str:
+    """``[2, 3, 4, 5, 9]`` -> ``2..5, 9`` (runs of three or more)."""
+    ps = sorted(ps)
+    parts, k = [], 0
+    while k < len(ps):
+        j = k
+        while j + 1 < len(ps) and ps[j + 1] == ps[j] + 1:
+            j += 1
+        if j - k >= 2:
+            parts.append(f"{ps[k]}..{ps[j]}")
+        else:
+            parts.extend(str(p) for p in ps[k:j + 1])
+        k = j + 1
+    return ", ".join(parts)

@@ -14,13 +14,14 @@ import logging
 import threading
 import time
 import warnings
+from collections import Counter
 
 import torch
 import torch.fx as fx
 
 from .. import backends, reorder
 from ..backends.identity import Key, callable_key
-from . import distributed, fast_walk, hook_ops, routing
+from . import annotate, distributed, fast_walk, hook_ops, routing
 from .cache import cache
 from .captured_graph import CapturedGraph
 from .errors import FallbackWarning, Unsupported, _Fallback
@@ -34,7 +35,8 @@ from .walk import OPAQUE, BackwardCall, walk_backward
 
 log = logging.getLogger("gradfx")
 
-COUNTERS = ("captures", "cache_hits", "fallbacks", "compiles", "recaptures")
+# recompiles: a backend compiling a cached graph again for new sizes (inductor does, per shape)
+COUNTERS = ("captures", "cache_hits", "fallbacks", "compiles", "recaptures", "recompiles")
 _global_stats = dict.fromkeys(COUNTERS, 0)
 _local = threading.local()
 
@@ -60,6 +62,25 @@ def reset() -> None:
     fast_walk.walkers.clear()
     for k in _global_stats:
         _global_stats[k] = 0
+
+
+def note_recompile(backend: str, nodes: int, seconds: float, sizes: tuple, first: tuple, count: int) -> None:
+    """A backend compiled a cached graph again, for new sizes (on a cache hit).
+
+    Counted as ``recompiles`` in the innermost block on this thread (the one
+    whose backward is running) and logged with how the sizes differ from the
+    graph's first compile, so that a slow cache hit says why.
+    """
+    session = current()
+    if session is not None:
+        session._count("recompiles")
+    else:
+        _global_stats["recompiles"] += 1
+    if log.isEnabledFor(logging.INFO):
+        changes = Counter((a, b) for a, b in zip(first, sizes) if a != b)
+        what = ", ".join(f"{a} -> {b}" + (f" ({n} sizes)" if n > 1 else "") for (a, b), n in changes.most_common(4))
+        log.info("gradfx: backend %s recompiled a cached backward of %d fx nodes in %.2f s for new sizes "
+                 "(%s); %d compiled versions of this graph", backend, nodes, seconds, what or "none", count)
 
 
 def current() -> "Session | None":
@@ -98,7 +119,8 @@ class CompiledBackward:
 class Session:
     """State of one ``with gradfx.compiled_autograd(...)`` block."""
 
-    def __init__(self, backend="eager", *, dynamic="auto", strict=False, passes=None):
+    def __init__(self, backend="eager", *, dynamic="auto", strict=False, passes=None, names=None):
+        self.names = annotate.Names(names) if names is not None else None  # display only: never keyed
         self.backend_name, self.backend_fn = backends.lookup(backend)
         # `in` would take 1 and 0 for True and False (and then treat them as "auto").
         if not (dynamic is True or dynamic is False or (type(dynamic) is str and dynamic == "auto")):
@@ -163,7 +185,7 @@ class Session:
                 structure = (call.key, self._config_key)
             entry = cache.lookup(structure, call.sizes)
             if entry is None:
-                entry = self._capture(call, structure, tensors)
+                entry = self._capture(call, structure, tensors, () if accumulate_grad else inputs)
                 self._count("captures")
             else:
                 if entry.failed is not None:  # before anything is released
@@ -206,7 +228,7 @@ class Session:
         self._count("fallbacks")
         return engine.run_backward(*args)
 
-    def _capture(self, call: BackwardCall, structure, tensors) -> CompiledBackward:
+    def _capture(self, call: BackwardCall, structure, tensors, grad_inputs=()) -> CompiledBackward:
         recapture = cache.known(structure)
         if recapture:
             self._count("recaptures")
@@ -237,7 +259,7 @@ class Session:
                 describe = lambda p: explain.describe_position(call, p)  # noqa: E731
                 guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
                 captured, compiled, failed = self.compile_graph(
-                    trace, call, guards=guard.text,
+                    trace, call, guards=explain.compact_guards(guard.text), grad_inputs=grad_inputs,
                     size_positions=symbolic.positions if symbolic is not None else ())
         except BaseException:
             window.release_now()
@@ -292,10 +314,12 @@ class Session:
             log.debug("gradfx: trace failed", exc_info=True)
             raise _Fallback(f"tracing failed ({type(err).__name__}: {err})") from err
 
-    def compile_graph(self, trace, call: BackwardCall, compile: bool = True, guards=(), size_positions=()):
+    def compile_graph(self, trace, call: BackwardCall, compile: bool = True, guards=(), size_positions=(),
+                      grad_inputs=(), keep_code: bool = False):
         """(CapturedGraph, compiled callable or None, why the backend failed or None)."""
         start = time.perf_counter()
-        records = reorder.run_pipeline(trace.graph, self.passes)
+        annotate.apply(trace.graph, call, self.names, grad_inputs)
+        records = reorder.run_pipeline(trace.graph, self.passes, keep_code)
         examples = [call.sizes[p] for p in size_positions] + list(call.inputs)
         gm = fx.GraphModule(torch.nn.Module(), trace.graph)
         captured = CapturedGraph(gm, passes=records, opaque_nodes=trace.opaque, guards=guards,

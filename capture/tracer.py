@@ -116,7 +116,7 @@ class _Tracer:
             owner = call.input_owner[i]
             if owner >= 0:
                 proxy.node.meta["gradfx_node"] = call.node_label(owner)
-                proxy.node.meta["gradfx_owner"] = owner
+                proxy.node.meta["gradfx_node_index"] = owner  # labels repeat (leaves): groups need the index
             if kind in ("grad", "saved"):
                 fake = self.fake_tensor(i, value)
                 track_tensor_tree(fake, proxy, constant=None, tracer=self.tracer)
@@ -291,7 +291,7 @@ class _Tracer:
         outs = self.python_call(fn, (_Input(node_input), tuple(metas), (False,) * len(metas)) + tuple(grads),
                                 tuple(like), label, "opaque")
         call = self.last_call
-        call.meta["gradfx_owner"] = i
+        call.meta["gradfx_node_index"] = i
         if function and self.call.owned[i] is not None:
             call.meta["gradfx_saved_mask"] = self.call.owned[i].mask
         for o in outs:
@@ -374,6 +374,7 @@ def _run_engine(t: _Tracer, grads):
         node = marker.next
         while node is not graph._root:
             node.meta.setdefault("gradfx_node", label)
+            node.meta.setdefault("gradfx_node_index", i)
             node = node.next
     return captured
 

@@ -9,7 +9,8 @@ they are about order, memory and speed, never correctness.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch.fx as fx
@@ -77,34 +78,61 @@ def resolve(passes) -> list[tuple[str, Pass]]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PassRecord:
-    """What one pass did to a graph."""
+    """What one pass did to a graph; ``code()`` is the graph's code right after it.
+
+    The code is kept compressed (a cached graph keeps its records) and
+    decompressed only when asked for.
+    """
 
     name: str
     nodes_before: int
     nodes_after: int
     moved: int
     seconds: float
+    packed_code: bytes | None = field(default=None, compare=False)
 
     @property
     def removed(self) -> int:
         return self.nodes_before - self.nodes_after
 
+    def code(self) -> str:
+        """The graph's Python code right after this pass (graphs of ``gradfx.capture``)."""
+        if self.packed_code is None:
+            raise ValueError(f"the code after pass {self.name!r} was not kept: a block keeps no code per "
+                             "pass; gradfx.capture(...) keeps it")
+        return zlib.decompress(self.packed_code).decode()
+
+    @property
+    def code_after(self) -> str:  # the earlier name of code()
+        return self.code()
+
     def __str__(self) -> str:
         return (f"{self.name}: {self.nodes_before} -> {self.nodes_after} nodes "
                 f"({self.removed} removed, {self.moved} moved) in {self.seconds * 1e3:.2f} ms")
 
+    __repr__ = __str__
 
-def run_pipeline(graph: fx.Graph, passes: list[tuple[str, Pass]]) -> list[PassRecord]:
+
+class PassRecords(list):
+    """The records of a pipeline, in order; its repr is one line per pass."""
+
+    def __repr__(self) -> str:
+        return "\n".join(str(r) for r in self) if self else "(no passes)"
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # IPython shows the same lines
+        printer.text(repr(self))
+
+
+def run_pipeline(graph: fx.Graph, passes: list[tuple[str, Pass]], keep_code: bool = False) -> PassRecords:
     """Run ``passes`` in order, linting after each; return what each did.
 
-    The records hold counts, not code: a long block keeps every graph it captured,
-    and a copy of the code after each pass would multiply that memory.  The code
-    after a prefix of the pipeline is that of a graph captured with ``passes=`` set
-    to the prefix.
+    Blocks keep no code per pass (a long block keeps every graph it captured, and
+    a copy of the code after each pass would multiply that memory); ``capture()``,
+    made for looking, keeps it compressed (``keep_code``).
     """
-    records = []
+    records = PassRecords()
     for name, fn in passes:
         before = list(graph.nodes)
         start = time.perf_counter()
@@ -112,7 +140,8 @@ def run_pipeline(graph: fx.Graph, passes: list[tuple[str, Pass]]) -> list[PassRe
         seconds = time.perf_counter() - start
         graph.lint()
         after = list(graph.nodes)
-        records.append(PassRecord(name, len(before), len(after), _moved(before, after), seconds))
+        code = zlib.compress(graph.python_code("self").src.encode(), 1) if keep_code else None
+        records.append(PassRecord(name, len(before), len(after), _moved(before, after), seconds, code))
     return records
 
 

@@ -142,7 +142,8 @@ def test_counters_every_call_counts_once():
             warnings.simplefilter("ignore")
             x = _leaf(3)
             (x * x).sum().backward(create_graph=True)  # falls back
-    assert s.stats == {"captures": 1, "cache_hits": 2, "fallbacks": 1, "compiles": 1, "recaptures": 0}
+    assert s.stats == {"captures": 1, "cache_hits": 2, "fallbacks": 1, "compiles": 1, "recaptures": 0,
+                       "recompiles": 0}
     assert gradfx.stats() == s.stats
     gradfx.reset()
     assert gradfx.stats() == dict.fromkeys(s.stats, 0)
@@ -167,6 +168,14 @@ def test_unknown_backend_raises_before_any_gradient():
         with gradfx.compiled_autograd(backend="no-such-backend"):
             (x * 2).sum().backward()
     assert x.grad is None
+
+
+def test_backend_name_must_be_a_str():
+    with pytest.raises(TypeError, match="str"):
+        gradfx.register_backend(3, lambda gm, example_inputs: gm)
+    with pytest.raises(TypeError, match="str"):
+        gradfx.register_backend(None)
+    assert None not in gradfx.list_backends()
 
 
 def test_user_backend_two_and_one_argument_forms():
