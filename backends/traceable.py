@@ -19,7 +19,9 @@ copy is rewritten:
   a Function that cannot be inlined (checkpointing, compiled regions) ->
   ``torch.ops.gradfx.run_node``, a custom op keyed by a slot number: the live
   node is put in a per-thread table for each call, and the op's fake kernel
-  gives outputs of the traced shapes;
+  gives outputs of the traced shapes.  In a graph with such a call, the
+  accumulations are the ordered custom op ``torch.ops.gradfx.accumulate_grad``
+  too (the hidden code may accumulate into the same leaves);
 * hook calls stay as they are: dynamo inlines them, guarding on the hook's code,
   not on the hook object, so hooks recreated every step reuse the compiled code.
 
@@ -136,24 +138,38 @@ def backward_caller(function_class):
 
 class _Live(threading.local):
     nodes: dict = {}
+    keys = None  # the dispatcher's thread-local key sets when the graph was called
 
 
 _live = _Live()
 _slots = itertools.count()
 _slot_outputs: dict[int, tuple] = {}  # slot -> ((ndim, dtype, device) per defined output)
-_op = None
+_ops_defined = False
 
 
-def _run_node_op():
-    """torch.ops.gradfx.run_node, defined on first use (no import-time registration)."""
-    global _op
-    if _op is not None:
-        return _op
+def _ops():
+    """torch.ops.gradfx.run_node and .accumulate_grad, defined on first use (nothing at import)."""
+    global _ops_defined
+    if _ops_defined:
+        return torch.ops.gradfx
     from torch._higher_order_ops.effects import EffectType
     from torch.library import _register_effectful_op, custom_op
 
     @custom_op("gradfx::run_node", mutates_args=())
     def run_node(slot: int, grads: list[torch.Tensor | None], sizes: list[int]) -> list[torch.Tensor]:
+        return _run_node(slot, grads, sizes)
+
+    # The node's own Python (checkpoint's recomputation, a custom backward) runs
+    # while compiled code runs: dynamo must not try to compile it.
+    @torch._dynamo.disable(recursive=True)
+    def _run_node(slot, grads, sizes):
+        # A custom op runs below autograd; the node may need autograd (reentrant
+        # checkpoint recomputes and differentiates), so it runs with the key sets
+        # the graph was called with.
+        with torch._C._ForceDispatchKeyGuard(*_live.keys):
+            return _run_node_as_called(slot, grads, sizes)
+
+    def _run_node_as_called(slot, grads, sizes):
         node = _live.nodes[slot]
         outputs = _slot_outputs[slot]
         metas, at = [], 0
@@ -186,10 +202,19 @@ def _run_node_op():
             at += ndim
         return out
 
-    # Ordered side effects: compilers must neither drop nor reorder the call.
+    @custom_op("gradfx::accumulate_grad", mutates_args=())
+    def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool) -> None:
+        accumulate(variable, grad, may_steal)
+
+    @accumulate_grad.register_fake
+    def _(variable, grad, may_steal):
+        return None
+
+    # Ordered side effects: compilers must neither drop nor reorder the calls.
     _register_effectful_op(torch.ops.gradfx.run_node.default, EffectType.ORDERED)
-    _op = torch.ops.gradfx.run_node.default
-    return _op
+    _register_effectful_op(torch.ops.gradfx.accumulate_grad.default, EffectType.ORDERED)
+    _ops_defined = True
+    return torch.ops.gradfx
 
 
 def _edge_metas(node, defined: list) -> tuple:
@@ -225,6 +250,8 @@ class Adapter:
         for pos in self.contexts:
             args[pos] = args[pos].__dict__
         nodes = _live.nodes
+        if self.slots:
+            _live.keys = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
         for pos, slot in self.slots:
             nodes[slot] = args[pos]
             args[pos] = None
@@ -248,13 +275,20 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
     for n in placeholders:
         if n.meta.get("gradfx_kind") == "saved":
             saved_of.setdefault(n.meta["gradfx_node_index"], []).append(n)
+    # Code the compiler cannot see (an opaque node: a reentrant checkpoint runs a
+    # whole backward) may accumulate into the same leaves while the graph runs;
+    # dynamo would replay its own `.grad` writes after it, over theirs.  Then every
+    # accumulation is an ordered custom op instead of code dynamo inlines.
+    opaque = any(n.op == "call_function" and n.target in (runtime_ops.call_node, runtime_ops.call_backward)
+                 for n in graph.nodes)
+    accumulate_target = _ops().accumulate_grad.default if opaque else accumulate
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is runtime_ops.accumulate_grad:
             leaf, grad, steal = node.args
             steal = bool(steal) and isinstance(grad, fx.Node) and not _seen_by_python(grad)
-            node.target = accumulate
+            node.target = accumulate_target
             node.args = (leaf, grad, steal)
         elif node.target is runtime_ops.call_backward:
             ctx = example_inputs[position[node.args[0]]]
@@ -283,7 +317,7 @@ def _as_rebuilt_backward(graph, node, cls, ctx, mask, saved_nodes):
 
 def _as_custom_op(graph, node, adapter, position):
     """call_node / call_backward(node, metas, must_be_defined, *grads) -> run_node(slot, grads, sizes)."""
-    op = _run_node_op()
+    op = _ops().run_node.default
     slot = next(_slots)
     live, metas, _, *grads = node.args
     by_edge = {user.args[1]: user for user in node.users}  # getitem of edge k

@@ -1,0 +1,238 @@
+"""Captured graphs are torch.compile citizens: traced whole with fullgraph=True.
+
+A user backend ``lambda gm: torch.compile(gm, backend=b, fullgraph=True)`` compiles
+every kind of graph gradfx captures (accumulations, module hooks, custom
+Functions, checkpointing, opaque nodes) with no graph break and no warning, one
+dynamo compile for all steps; and a backward called inside a ``torch.compile``'d
+training step is captured like any other.
+"""
+
+import copy
+import importlib
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as checkpoint
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import gradfx
+from gradfx.backends.traceable import accumulate
+from gradfx.capture import hook_ops
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    gradfx.reset()
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class Scale(torch.autograd.Function):
+    """A custom Function with a saved tensor and a non-tensor attribute."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        ctx.save_for_backward(x)
+        return x * factor + x.sin()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        return grad * ctx.factor + grad * x.cos(), None
+
+
+class Blocks(nn.Module):
+    """mlp blocks with an optional module hook, custom Function, checkpoint or opaque node."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.a = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16))
+        self.b = nn.Linear(16, 4)
+        if kind == "module_hooks":
+            self.b.register_full_backward_hook(lambda m, gi, go: None)
+            self.b.register_full_backward_pre_hook(lambda m, go: None)
+            self.a[2].register_full_backward_hook(lambda m, gi, go: None)
+
+    def forward(self, x):
+        if self.kind == "checkpoint":
+            h = checkpoint.checkpoint(self.a, x, use_reentrant=False)
+            h = checkpoint.checkpoint(self.a[2], h, use_reentrant=True)
+        else:
+            h = self.a(x)
+        if self.kind == "custom_function":
+            h = Scale.apply(h, 2.0)
+        if self.kind == "opaque":  # prod's backward runs as the real node
+            h = h * h.prod(1, keepdim=True)
+        return self.b(h)
+
+
+def _cnn():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def _transformer():
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                 enable_nested_tensor=False)
+
+
+MODELS = {
+    "mlp": (lambda: Blocks("mlp"), (6, 8)),
+    "cnn": (_cnn, (4, 3, 8, 8)),
+    "transformer": (_transformer, (3, 5, 16)),
+    "module_hooks": (lambda: Blocks("module_hooks"), (6, 8)),
+    "custom_function": (lambda: Blocks("custom_function"), (6, 8)),
+    "checkpoint": (lambda: Blocks("checkpoint"), (6, 8)),
+    "opaque": (lambda: Blocks("opaque"), (6, 8)),
+}
+
+
+class Inspecting:
+    """A gradfx backend: ``torch.compile(gm, backend=inner, fullgraph=True)``, keeping what it received."""
+
+    def __init__(self, inner):
+        self.counter = CompileCounterWithBackend(inner)
+        self.graphs = []
+
+    def __call__(self, gm):
+        self.graphs.append(gm)
+        return torch.compile(gm, backend=self.counter, fullgraph=True)
+
+
+def _train(name, backend, steps=5):
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    eager = make()
+    model = copy.deepcopy(eager)
+    for step in range(steps):
+        torch.manual_seed(step)
+        x = torch.randn(*shape)
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+        eager(x).square().mean().backward()
+        with gradfx.compiled_autograd(backend=backend) as session:
+            model(x).square().mean().backward()
+        assert session.stats["fallbacks"] == 0
+        for p, q in zip(eager.parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad)
+    return model
+
+
+def _check(name, inner, steps=5):
+    if inner == "inductor":  # its first import warns about torch.jit: not while watching
+        importlib.import_module("torch._inductor.compile_fx")
+    backend = Inspecting(inner)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = _train(name, backend, steps)
+    assert [str(w.message) for w in caught] == []
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # A reentrant checkpoint runs a backward of its own inside the graph: two graphs.
+    graphs = 2 if name == "checkpoint" else 1
+    stats = gradfx.stats()
+    assert stats["captures"] == graphs and stats["cache_hits"] == graphs * (steps - 1), stats
+    assert backend.counter.frame_count == graphs  # one dynamo graph each, no recompile over the steps
+    gm = backend.graphs[0]
+    ordered_op = getattr(getattr(torch.ops, "gradfx", None), "accumulate_grad", None)
+    targets = (accumulate,) + ((ordered_op.default,) if ordered_op is not None else ())
+    accumulations = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+    assert len(accumulations) == len(list(model.parameters()))
+    hooks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in hook_ops.HOOK_CALLS]
+    assert bool(hooks) == (name == "module_hooks")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_fullgraph_compile(name, inner):
+    _check(name, inner)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fullgraph_compile_inductor(name):
+    _check(name, "inductor", steps=3)
+
+
+def test_accumulation_keeps_grad_identity_and_layout():
+    # Without zero_grad the compiled graph adds into the same .grad tensor, as eager does.
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    backend = Inspecting("aot_eager")
+    ids = []
+    for step in range(3):
+        with gradfx.compiled_autograd(backend=backend):
+            conv(torch.randn(2, 3, 6, 6)).sum().backward()
+        ids.append(id(conv.weight.grad))
+        assert conv.weight.grad.stride() == conv.weight.stride()
+    assert ids[1] == ids[2]
+
+
+def test_backward_inside_a_compiled_training_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    eager = copy.deepcopy(model)
+
+    @torch.compile(backend="aot_eager")
+    def step(m, x):
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss
+
+    for it in range(3):
+        x = torch.randn(4, 8)
+        model.zero_grad()
+        eager.zero_grad()
+        with gradfx.compiled_autograd() as session:
+            step(model, x)
+        eager(x).square().mean().backward()
+        assert session.stats == {**session.stats, "captures": int(it == 0), "cache_hits": int(it > 0),
+                                 "fallbacks": 0}
+        for p, q in zip(eager.parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad)
+
+
+def test_a_hook_dynamo_cannot_trace_falls_back_to_the_eager_backend():
+    torch.manual_seed(0)
+    model = Blocks("mlp")
+    model.b.register_full_backward_hook(lambda m, gi, go: print(end=""))  # print: a graph break
+    backend = Inspecting("eager")
+    with pytest.warns(gradfx.FallbackWarning, match="failed to compile"):
+        with gradfx.compiled_autograd(backend=backend):
+            model(torch.randn(6, 8)).sum().backward()
+    eager = copy.deepcopy(model)
+    for p in eager.parameters():
+        p.grad = None
+    eager(torch.randn(6, 8)).sum()  # same structure, grads compared below on a fresh run
+    torch.manual_seed(1)
+    x = torch.randn(6, 8)
+    model.zero_grad()
+    eager.zero_grad()
+    eager(x).sum().backward()
+    with pytest.raises(gradfx.Unsupported, match="failed to compile"):
+        with gradfx.compiled_autograd(backend=backend, strict=True):
+            model(x).sum().backward()
+    assert all(p.grad is None for p in model.parameters())  # strict: nothing ran
+    with gradfx.compiled_autograd(backend=backend):
+        model(x).sum().backward()
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(q.grad, p.grad)
+
+
+def test_torch_internal_backward_calls_pass_through_uncounted():
+    # AOTAutograd traces a joint graph (backward calls on fake tensors) while
+    # compiling a forward inside a block: torch's business, not a user's backward.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    compiled = torch.compile(lin, backend="aot_eager")
+    with gradfx.compiled_autograd() as session:
+        out = compiled(torch.randn(2, 4)).sum()
+        assert session.stats["captures"] == 0 and session.stats["fallbacks"] == 0
+        out.backward()
+    assert session.stats["captures"] == 1
