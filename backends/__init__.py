@@ -110,9 +110,12 @@ def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list) -> Calla
         try:
             return compiled(*adapt(args))
         except Exception as err:
-            if _is_compile_error(err):
-                raise CompileFailedAtRun(err) from err
-            raise
+            if not _is_compile_error(err):
+                raise
+            cause = _runtime_cause(err)
+            if cause is not None:  # dynamo failed while handling an error of the running code
+                raise cause from err
+            raise CompileFailedAtRun(err) from err
     run._gradfx_compiled = compiled
     return run
 
@@ -127,6 +130,18 @@ def _call(fn, gm, example_inputs):
     if _takes_one_argument(fn):
         return fn(gm)
     return fn(gm, example_inputs)
+
+
+def _runtime_cause(err: BaseException) -> BaseException | None:
+    """The first error in ``err``'s context that dynamo did not raise, if any."""
+    seen = set()
+    cause = err.__context__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if not _is_compile_error(cause):
+            return cause
+        cause = cause.__context__
+    return None
 
 
 def _is_compile_error(err: BaseException) -> bool:

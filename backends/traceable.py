@@ -185,9 +185,12 @@ def _ops():
         for out in outs:
             if out is None:
                 continue
+            # The fake kernel promises contiguous outputs (the node's layout is not
+            # known before it runs), and a custom op must not return a view of its inputs.
+            out = out.contiguous()
             if any(g is not None and out.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()
                    for g in grads):
-                out = out.clone()  # a custom op must not return a view of its inputs
+                out = out.clone()
             result.append(out)
         if len(result) != len(outputs):
             raise RuntimeError("gradfx: an opaque autograd node returned no gradient where the compiled "
@@ -275,21 +278,16 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
     for n in placeholders:
         if n.meta.get("gradfx_kind") == "saved":
             saved_of.setdefault(n.meta["gradfx_node_index"], []).append(n)
-    # Code the compiler cannot see (an opaque node: a reentrant checkpoint runs a
-    # whole backward) may accumulate into the same leaves while the graph runs;
-    # dynamo would replay its own `.grad` writes after it, over theirs.  Then every
-    # accumulation is an ordered custom op instead of code dynamo inlines.
-    opaque = any(n.op == "call_function" and n.target in (runtime_ops.call_node, runtime_ops.call_backward)
-                 for n in graph.nodes)
-    accumulate_target = _ops().accumulate_grad.default if opaque else accumulate
+    accumulations = []
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is runtime_ops.accumulate_grad:
             leaf, grad, steal = node.args
             steal = bool(steal) and isinstance(grad, fx.Node) and not _seen_by_python(grad)
-            node.target = accumulate_target
+            node.target = accumulate
             node.args = (leaf, grad, steal)
+            accumulations.append(node)
         elif node.target is runtime_ops.call_backward:
             ctx = example_inputs[position[node.args[0]]]
             cls = type(ctx)._forward_cls
@@ -301,6 +299,16 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
                 adapter.contexts.append(position[node.args[0]])
         elif node.target is runtime_ops.call_node:
             _as_custom_op(graph, node, adapter, position)
+    if adapter.slots:
+        # Code the compiler cannot see (a reentrant checkpoint runs a whole backward)
+        # may accumulate into the same leaves while the graph runs; dynamo would replay
+        # its own `.grad` writes after it, over theirs.  Then every accumulation is an
+        # ordered custom op, which never steals: a compiler may reuse the memory of a
+        # tensor it passed to an op.
+        op = _ops().accumulate_grad.default
+        for node in accumulations:
+            node.target = op
+            node.args = (node.args[0], node.args[1], False)
     adapter.contexts = sorted(set(adapter.contexts))
     graph.lint()
     return fx.GraphModule(gm, graph), adapter
