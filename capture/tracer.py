@@ -26,6 +26,7 @@ from torch.fx.experimental.proxy_tensor import (
     PythonKeyTracer,
     ProxyTorchDispatchMode,
     disable_proxy_modes_tracing,
+    fetch_sym_proxy,
     get_proxy_slot,
     track_tensor_tree,
 )
@@ -184,8 +185,10 @@ class _Tracer:
             return self.object_proxies[x.pos]
         if isinstance(x, torch.Tensor):
             return self.proxy(x)
-        if isinstance(x, tuple):
+        if isinstance(x, (tuple, list, torch.Size)):
             return tuple(self.arg(a) for a in x)
+        if isinstance(x, torch.SymInt):  # a symbolic size: the graph value that computes it
+            return fetch_sym_proxy(self.tracer)(x)
         return x
 
     # -- hooks, in eager's order ---------------------------------------------
@@ -228,7 +231,7 @@ class _Tracer:
             log.debug("gradfx: %s runs opaque (%s)", self.call.node_label(i), RUN_REAL[type(node).__name__])
             return None
         graph = self.tracer.graph
-        before = list(graph.nodes)[-1]
+        before = (graph._root.prev, len(self.shape_env.guards))
         try:
             out = None
             if self.symbolic is not None:
@@ -247,7 +250,7 @@ class _Tracer:
     def run_function(self, i, ctx, grads):
         """Trace a traceable custom Function's backward; None if it cannot run on fakes."""
         graph = self.tracer.graph
-        before = list(graph.nodes)[-1]
+        before = (graph._root.prev, len(self.shape_env.guards))
         try:
             if ctx.__dict__.get("_gradfx_materialize_grads", True):
                 grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1]) if g is None else g
@@ -258,13 +261,16 @@ class _Tracer:
             self.undo(before, i, err)
             return None
 
-    def undo(self, before: fx.Node, i: int, err: Exception) -> None:
-        """Erase what a failed attempt to trace node ``i`` recorded after ``before``."""
+    def undo(self, before: tuple, i: int, err: Exception) -> None:
+        """Erase what a failed attempt to trace node ``i`` recorded after ``before``:
+        its graph nodes and the guards it added (the real node runs instead)."""
+        last, n_guards = before
         graph = self.tracer.graph
         for n in reversed(list(graph.nodes)):
-            if n is before:
+            if n is last:
                 break
             graph.erase_node(n)
+        del self.shape_env.guards[n_guards:]
         log.debug("gradfx: %s runs opaque (%s: %s)", self.call.node_label(i), type(err).__name__, err)
 
     def run_opaque(self, i, node, grads, node_input):

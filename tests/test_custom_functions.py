@@ -312,3 +312,31 @@ def test_torch_compile_inside_block_is_not_counted():
             model(torch.randn(3, 4)).sum().backward()
     assert s.stats["captures"] + s.stats["cache_hits"] + s.stats["fallbacks"] == 2
     assert s.stats["fallbacks"] == 0
+
+
+class _SavesInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        return grad * x
+
+
+@pytest.mark.parametrize("dynamic, captures", [(True, 1), ("auto", 2)])
+def test_custom_function_sizes_are_symbolic(dynamic, captures):
+    # An opaque custom Function's sizes become symbols like every other node's.
+    gradfx.reset()
+    for n in (10, 100, 10, 15):
+        torch.manual_seed(n)
+        x = torch.randn(n, requires_grad=True)
+        _SavesInput.apply(x).sin().sum().backward()
+        expected = x.grad
+        x.grad = None
+        with gradfx.compiled_autograd(dynamic=dynamic, strict=True):
+            _SavesInput.apply(x).sin().sum().backward()
+        assert torch.equal(x.grad, expected)
+    assert gradfx.stats()["captures"] == captures
