@@ -19,9 +19,10 @@ copy is rewritten:
   a Function that cannot be inlined (checkpointing, compiled regions) ->
   ``torch.ops.gradfx.run_node``, a custom op keyed by a slot number: the live
   node is put in a per-thread table for each call, and the op's fake kernel
-  gives outputs of the traced shapes.  In a graph with such a call, the
+  gives outputs of the traced shapes.  In a graph with a reentrant checkpoint
+  (whose backward runs a backward of its own, accumulating into leaves) the
   accumulations are the ordered custom op ``torch.ops.gradfx.accumulate_grad``
-  too (the hidden code may accumulate into the same leaves);
+  too;
 * hook calls stay as they are: dynamo inlines them, guarding on the hook's code,
   not on the hook object, so hooks recreated every step reuse the compiled code.
 
@@ -44,14 +45,32 @@ from ..capture import hook_ops, runtime_ops
 
 # Custom Functions whose backward dynamo cannot inline: they run as the custom op.
 _OPAQUE_FUNCTIONS = ("CheckpointFunction", "CompiledFunction")
+# Of those, the ones whose backward runs a backward of its own (reentrant checkpoint).
+_NESTED_BACKWARD = ("CheckpointFunction",)
 
 
 # -- accumulation ---------------------------------------------------------------
 
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its strides are a permutation of contiguous ones."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.shape[d] != 1:
+            if t.stride(d) != expected:
+                return False
+            expected *= t.shape[d]
+    return True
+
+
 def _layout_ok(grad: torch.Tensor, variable: torch.Tensor) -> bool:
-    """AccumulateGrad's layout contract, from sizes and strides only (dynamo folds it)."""
+    """AccumulateGrad's layout contract, from sizes and strides only (dynamo folds it):
+    a dense parameter's strides where sizes are not 1, else contiguous."""
     if grad.is_contiguous() and variable.is_contiguous():
         return True
+    if not _dense(variable):
+        return grad.is_contiguous()
     for size, stride, vstride in zip(grad.shape, grad.stride(), variable.stride()):
         if size != 1 and stride != vstride:
             return False
@@ -72,10 +91,12 @@ def accumulate(variable, grad, may_steal: bool) -> None:
             variable.grad = grad.detach()
         elif grad.is_sparse:
             variable.grad = grad.clone()
-        else:
+        elif _dense(variable):
             out = torch.empty_strided(variable.shape, variable.stride(), dtype=grad.dtype, device=grad.device)
             out.copy_(grad)
             variable.grad = out
+        else:
+            variable.grad = grad.clone(memory_format=torch.contiguous_format)
     elif old.is_sparse and not grad.is_sparse:
         variable.grad = grad + old
     else:
@@ -279,6 +300,7 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
         if n.meta.get("gradfx_kind") == "saved":
             saved_of.setdefault(n.meta["gradfx_node_index"], []).append(n)
     accumulations = []
+    nested = False
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -293,18 +315,22 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             cls = type(ctx)._forward_cls
             mask = node.meta.get("gradfx_saved_mask")
             if mask is None or cls.__name__ in _OPAQUE_FUNCTIONS:
+                nested |= cls.__name__ in _NESTED_BACKWARD
                 _as_custom_op(graph, node, adapter, position)
             else:
                 _as_rebuilt_backward(graph, node, cls, ctx, mask, saved_of.get(node.meta["gradfx_node_index"], []))
                 adapter.contexts.append(position[node.args[0]])
         elif node.target is runtime_ops.call_node:
             _as_custom_op(graph, node, adapter, position)
-    if adapter.slots:
-        # Code the compiler cannot see (a reentrant checkpoint runs a whole backward)
-        # may accumulate into the same leaves while the graph runs; dynamo would replay
-        # its own `.grad` writes after it, over theirs.  Then every accumulation is an
-        # ordered custom op, which never steals: a compiler may reuse the memory of a
-        # tensor it passed to an op.
+    if nested:
+        # A reentrant checkpoint runs a backward of its own inside the graph, which may
+        # accumulate into the same leaves; dynamo would replay its own `.grad` writes
+        # after it, over theirs.  Then every accumulation is an ordered custom op (which
+        # never steals: a compiler may reuse the memory of a tensor it passed to an
+        # op), and no hook may read `.grad` (dynamo could not see the op's writes).
+        if any(n.op == "call_function" and n.target in HOOK_CALLS for n in graph.nodes):
+            raise NotImplementedError("a reentrant checkpoint runs a backward of its own inside this graph, "
+                                      "which also calls hooks: a compiler cannot order their .grad reads")
         op = _ops().accumulate_grad.default
         for node in accumulations:
             node.target = op

@@ -53,13 +53,15 @@ def dynamic_candidates(sizes) -> set[int]:
 
 
 def changed_positions(old, new, call: BackwardCall | None = None) -> set[int]:
-    """dynamic="auto": sizes that changed between two backwards of one structure.
+    """dynamic="auto": sizes that changed (to 2 or more) between two backwards of one structure.
 
     With ``call``, also every size of the saved tensors of a node that had a
     changed size: such sizes often follow the changed ones with rounding (an RNN
     workspace sized for the batch), so they are made symbolic before they change.
     """
-    changed = {p for p, (a, b) in enumerate(zip(old, new)) if a != b and a >= 2 and b >= 2}
+    # A size that was 0 or 1 (broadcasting) and is now 2 or more becomes symbolic as
+    # well: the graph captured for 0 or 1 stays for those, the new one takes >= 2.
+    changed = {p for p, (a, b) in enumerate(zip(old, new)) if a != b and b >= 2}
     if call is None or not changed:
         return changed
     touched = set()

@@ -141,3 +141,9 @@ def test_attention_block_over_sequence_lengths(dynamic):
                 with block:
                     loss.backward()
         assert_same(grads_of(eager.parameters()), grads_of(gfx.parameters()))
+
+
+def test_auto_from_a_batch_of_one():
+    # 1 is captured static (broadcasting); the next size makes the batch symbolic.
+    make, shape = MODELS["mlp"]
+    assert _run(make, [shape(b) for b in (1, 2, 3, 4, 1)], "auto") == 2

@@ -236,3 +236,41 @@ def test_torch_internal_backward_calls_pass_through_uncounted():
         assert session.stats["captures"] == 0 and session.stats["fallbacks"] == 0
         out.backward()
     assert session.stats["captures"] == 1
+
+
+def test_non_dense_leaf_gets_a_contiguous_grad():
+    # AccumulateGrad's layout contract: a leaf that is not dense gets a contiguous copy.
+    base = torch.randn(4, 4)
+    var = base[::2, ::2].requires_grad_(True)
+    kept = []
+    var.register_hook(lambda g: kept.append(g))
+    with gradfx.compiled_autograd(backend=Inspecting("aot_eager")):
+        (var * 7.0).sum().backward()
+    assert var.grad.is_contiguous() and torch.equal(var.grad, torch.full((2, 2), 7.0))
+    assert kept[0].untyped_storage().data_ptr() != var.grad.untyped_storage().data_ptr()
+
+
+def test_accumulator_hooks_read_grad_under_a_compiled_forward():
+    # The forward compiled by torch.compile is an opaque node of the backward; hooks on
+    # the accumulators read .grad right after it is written, as in eager.
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False))
+        keep = []
+        for param in model.parameters():
+            acc = param.expand_as(param).grad_fn.next_functions[0][0]
+
+            def divide(*_, param=param):
+                param.grad = param.grad / 4.0
+            keep.append((acc, acc.register_hook(divide)))
+        return model, keep
+    x = torch.randn(8, 16)
+    eager, _ = build()
+    eager(x).sum().backward()
+    model, _ = build()
+    compiled = torch.compile(model, backend="aot_eager")
+    with gradfx.compiled_autograd(backend=Inspecting("eager")) as session:
+        compiled(x).sum().backward()
+    assert session.stats["fallbacks"] == 0
+    for p, q in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
