@@ -8,6 +8,9 @@ For each model it prints, in one run:
 
 Usage: python bench/bench_backward.py [--models mlp transformer] [--backend eager]
        [--skip-torch] [--steps 50]
+``--backend whole-inductor`` hands gradfx's whole graph to
+``torch.compile(gm, backend="inductor", fullgraph=True)`` (``--backend inductor``
+is gradfx's built-in split: the pure part compiled, accumulation in Python).
 """
 
 from __future__ import annotations
@@ -48,9 +51,13 @@ def _engine(kind, backend):
         return contextlib.nullcontext
     if kind == "gradfx":
         import gradfx
+        if backend.startswith("whole-"):  # the whole graph through torch.compile, as users write it
+            inner = backend[len("whole-"):]
+            return lambda: gradfx.compiled_autograd(
+                backend=lambda gm: torch.compile(gm, backend=inner, fullgraph=True))
         return lambda: gradfx.compiled_autograd(backend=backend)
     from torch._dynamo import compiled_autograd
-    tbackend = "eager" if backend == "eager" else backend
+    tbackend = backend[len("whole-"):] if backend.startswith("whole-") else backend
     return lambda: compiled_autograd._enable(lambda gm: torch.compile(gm, backend=tbackend))
 
 

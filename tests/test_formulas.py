@@ -89,3 +89,27 @@ def test_real_nodes_are_listed_as_opaque():
     graph = gradfx.capture(x.prod(1).sum())
     assert [label.split()[0] for label in graph.opaque_nodes] == ["ProdBackward1"]
     assert "ProdBackward1" in RUN_REAL
+
+
+def _hidden_state_program(kind, k):
+    """Programs whose node keeps sizes Python cannot read: they change, the key does not."""
+    def build():
+        a = torch.randn(3, 4, requires_grad=True)
+        if kind == "cat":  # the widths of inputs that need no gradient move
+            y = torch.cat([torch.randn(3, k), a, torch.randn(3, 5 - k)], 1)
+        elif kind == "slice_assignment":  # the slice moves
+            y = torch.randn(3, 12) * 1.0
+            y[:, k:k + 4] = a * 2
+        else:  # as_strided of a view at a moving storage offset
+            base = torch.randn(3, 12, requires_grad=True)
+            y = base[:, k:k + 6].as_strided((3, 4), (12, 1), k) + a
+            return [a, base], (y * torch.arange(12.0).view(3, 4)).sum()
+        return [a], (y * torch.arange(y.numel() * 1.0).view(y.shape)).sum()
+    return build
+
+
+@pytest.mark.parametrize("kind", ["cat", "slice_assignment", "as_strided"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_hidden_sizes_never_reuse_a_wrong_graph(kind, dynamic):
+    for k in (1, 2, 4, 1):
+        _compare(_hidden_state_program(kind, k), seeds=[k], dynamic=dynamic)
