@@ -20,9 +20,9 @@ else:
     from .backends import list_backends, register_backend
     from .capture import CapturedGraph, FallbackWarning, Unsupported
     from .capture.api import capture, compiled_autograd
-    from .capture.cache import set_cache_size
-    from .capture.custom_function import traceable
-    from .capture.session import reset, stats
+    from .capture.run.cache import set_cache_size
+    from .capture.trace.functions import traceable
+    from .capture.run.session import reset, stats
     from .reorder import list_passes
 
     __all__ = [

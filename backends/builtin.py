@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
-from ..capture.runtime_ops import accumulate_grad, accumulate_grad_unchecked
+from ..capture.run.runtime_ops import accumulate_grad, accumulate_grad_unchecked
 from ..reorder.memory import frees_inputs_early
 from . import register_backend, takes_plain_graph
 from .split import runner, split

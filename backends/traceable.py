@@ -41,7 +41,7 @@ import threading
 import torch
 import torch.fx as fx
 
-from ..capture import hook_ops, runtime_ops
+from ..capture.run import hook_ops, runtime_ops
 
 # Custom Functions whose backward dynamo cannot inline: they run as the custom op.
 _OPAQUE_FUNCTIONS = ("CheckpointFunction", "CompiledFunction")

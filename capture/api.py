@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from . import explain, torch_caches
-from .captured_graph import CapturedGraph
+from .view import explain
+from .run import torch_caches
+from .view.captured_graph import CapturedGraph
 from .errors import Unsupported, _Fallback
-from .session import Session, unused_input_message
-from .shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates
-from .tracer import trace_backward
-from .walk import walk_backward
+from .run.session import Session, unused_input_message
+from .trace.shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates
+from .trace.tracer import trace_backward
+from .graph.walk import walk_backward
 
 
 def compiled_autograd(backend="eager", *, dynamic="auto", strict=False, passes=None, names=None) -> Session:

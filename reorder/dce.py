@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..capture import runtime_ops
+from ..capture.run import runtime_ops
 
 
 def has_side_effect(node: fx.Node) -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..capture.tracer import is_getitem, unpack_right_after
+from ..capture.trace.tracer import is_getitem, unpack_right_after
 from .dce import has_side_effect
 
 

@@ -268,7 +268,7 @@ def test_scalar_value_change_recaptures():
 
 
 def test_lru_bound():
-    from gradfx.capture.cache import cache
+    from gradfx.capture.run.cache import cache
     gradfx.set_cache_size(2)
     try:
         x = _leaf(3)

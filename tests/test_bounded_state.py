@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import gradfx
-from gradfx.capture.cache import cache
+from gradfx.capture.run.cache import cache
 from helpers import grads_of
 
 
@@ -40,7 +40,7 @@ def _eager_grads(seed=0):
 
 
 def test_per_structure_state_is_evicted_with_the_cache():
-    from gradfx.capture import fast_walk
+    from gradfx.capture.graph import fast_walk
     gradfx.set_cache_size(2)
     w = torch.rand(5).add(0.5).requires_grad_()
     for k in range(6):  # six structures: the exponent is part of the key

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import gradfx
-from gradfx.capture import display, layout, picture
+from gradfx.capture.view import display, layout, picture
 
 SVG = "{http://www.w3.org/2000/svg}"
 ENGINES = ["layered"] + (["dot"] if layout.dot_available() else [])

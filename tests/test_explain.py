@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 import gradfx
-from gradfx.capture import explain
-from gradfx.capture.explain import compact_guards
+from gradfx.capture.view import explain
+from gradfx.capture.view.explain import compact_guards
 
 
 def _model():

@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 
 import gradfx
-from gradfx.capture import fast_walk
-from gradfx.capture.walk import walk_backward
+from gradfx.capture.graph import fast_walk
+from gradfx.capture.graph.walk import walk_backward
 
 
 @pytest.fixture(autouse=True)

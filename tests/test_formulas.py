@@ -11,7 +11,7 @@ import torch
 
 import gradfx
 
-from gradfx.capture.rules import RUN_REAL
+from gradfx.capture.trace.rules import RUN_REAL
 
 
 @pytest.fixture(autouse=True)

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradfx.capture.shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates
-from gradfx.capture.tracer import trace_backward
-from gradfx.capture.walk import walk_backward
+from gradfx.capture.trace.shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates
+from gradfx.capture.trace.tracer import trace_backward
+from gradfx.capture.graph.walk import walk_backward
 
 from test_dynamic import LSTMHead, cnn, mlp, transformer
 

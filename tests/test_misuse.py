@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import gradfx
-from gradfx.capture import runtime_ops
-from gradfx.capture.cache import cache
+from gradfx.capture.run import runtime_ops
+from gradfx.capture.run.cache import cache
 from helpers import assert_same, grads_of
 
 
@@ -316,7 +316,7 @@ def test_autograd_grad_outputs_of_a_good_backend_pass_and_equal_eager():
 
 def test_autograd_grad_output_check_with_symbolic_sizes():
     # A symbolic size in the traced metadata is checked against the input's size.
-    from gradfx.capture.session import _check_outputs
+    from gradfx.capture.run.session import _check_outputs
     specs = [((None, 4), torch.float32, torch.device("cpu"), False), None]
     for batch in (2, 5):
         x = torch.randn(batch, 4)

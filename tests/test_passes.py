@@ -6,8 +6,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 import gradfx
-from gradfx.capture import runtime_ops
-from gradfx.capture.hook_ops import call_tensor_hook
+from gradfx.capture.run import runtime_ops
+from gradfx.capture.run.hook_ops import call_tensor_hook
 from gradfx.reorder import resolve, run_pipeline
 from gradfx.reorder.dce import eliminate_dead_code
 from gradfx.reorder.memory import free_inputs_early, frees_inputs_early

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from gradfx.capture.ready_queue import ReadyQueue
+from gradfx.capture.trace.ready_queue import ReadyQueue
 
 CPP = r"""
 #include <cstdio>

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gradfx.capture.rules import RULES, apply_rule
+from gradfx.capture.trace.rules import RULES, apply_rule
 
 # node name -> function(seed) returning (output tensor whose grad_fn is that node, grads)
 CASES = {}

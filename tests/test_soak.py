@@ -29,8 +29,8 @@ import torch
 import torch.nn as nn
 
 import gradfx
-from gradfx.capture import fast_walk
-from gradfx.capture.cache import DEFAULT_SIZE, cache
+from gradfx.capture.graph import fast_walk
+from gradfx.capture.run.cache import DEFAULT_SIZE, cache
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

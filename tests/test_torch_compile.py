@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 import gradfx
 from gradfx.backends.traceable import accumulate
-from gradfx.capture import hook_ops
+from gradfx.capture.run import hook_ops
 
 
 @pytest.fixture(autouse=True)

@@ -33,12 +33,12 @@ from torch.fx.experimental.proxy_tensor import (
 from torch._prims_common import make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
-from . import hook_ops, runtime_ops
+from ..run import hook_ops, runtime_ops
 from .ready_queue import ReadyQueue
 from .rules import RUN_REAL, apply_rule
 from .shapes import SymbolicSizes
-from .saved_tensors import substitute
-from .walk import ACCUMULATE, FUNCTION, OPAQUE, TRACED, BackwardCall
+from ..graph.saved import substitute
+from ..graph.walk import ACCUMULATE, FUNCTION, OPAQUE, TRACED, BackwardCall
 
 log = logging.getLogger("gradfx")
 

@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from . import hook_ops, runtime_ops
+from ..run import hook_ops, runtime_ops
 from .annotate import tensor_label
 
 # Input kinds, by what a person reads them as.  "runtime" inputs are live

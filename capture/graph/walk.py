@@ -12,7 +12,7 @@ nodes must run (eager's ``exec_info``).  On the way it builds
   non-contiguous tensors, metadata shapes, saved sizes), guarded or made symbolic
   by ``shapes``;
 * the runtime inputs of the compiled graph: root gradients, saved tensors (taken
-  over from the nodes, see ``saved_tensors``), leaf tensors, node objects, hooks.
+  over from the nodes, see ``graph.saved``), leaf tensors, node objects, hooks.
 
 Backwards of a structure seen before take the walker that ``fast_walk``
 generates for it instead; this generic walk discovers new structures.
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from . import distributed, hook_registry
-from .errors import _Fallback
-from .saved_tensors import ForeignHooks, take_saved
+from . import distributed, hooks
+from ..errors import _Fallback
+from .saved import ForeignHooks, take_saved
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
@@ -107,7 +107,7 @@ def is_traceable(function_node_type: type) -> bool:
 
 def function_materializes(ctx) -> bool:
     # ctx.materialize_grads cannot be read back from Python; set_materialize_grads
-    # is wrapped (custom_function.install) to leave a readable copy.
+    # is wrapped (capture.trace.functions.install) to leave a readable copy.
     return ctx.__dict__.get("_gradfx_materialize_grads", True)
 
 
@@ -271,10 +271,10 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
                 captures.setdefault(j, []).append((nr, pos))
         needed = _exec_info(edges, outputs, accumulate)
 
-    hooks_seen = hook_registry.active()
+    hooks_seen = hooks.active()
     retained: dict[int, list] = {}
     if hooks_seen:
-        for i, nr, tensor in hook_registry.retained_in(index):
+        for i, nr, tensor in hooks.retained_in(index):
             retained.setdefault(i, []).append((nr, tensor))
 
     n = len(nodes)
@@ -296,7 +296,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
     input_kinds = ["grad"] * len(grads)
     input_owner = [-1] * len(grads)
     node_input = {}
-    hooks = {}
+    hook_specs = {}
 
     sizes: list = []
     tensor_slots: dict = {}
@@ -361,7 +361,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
             if var._post_accumulate_grad_hooks:
                 spec.post_accumulate = [add_input(h, "hook", i)
                                         for h in var._post_accumulate_grad_hooks.values()]
-        recorded = hook_registry.node_hooks(node) if hooks_seen else None
+        recorded = hooks.node_hooks(node) if hooks_seen else None
         if recorded is not None:
             for nr, d in recorded.tensor_pre:
                 spec.tensor_pre.append((nr, [add_input(h, "hook", i) for h in d.values()]))
@@ -372,7 +372,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
         for nr, tensor in retained.get(i, ()):
             spec.retain.append((nr, add_input(tensor, "retained", i)))
         if spec.tensor_pre or spec.retain or spec.pre or spec.post or spec.post_accumulate:
-            hooks[i] = spec
+            hook_specs[i] = spec
             key.append(spec.key())
     key = [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate]
     for k, g in enumerate(grads):
@@ -420,7 +420,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
 
     return BackwardCall(nodes, kinds, edges, seq, deps, roots, outputs, accumulate,
                         needed, captures, owned, run_inputs, input_kinds, input_owner,
-                        node_input, hooks, StructureKey(tuple(key)), sizes, tensor_slots, meta_slots,
+                        node_input, hook_specs, StructureKey(tuple(key)), sizes, tensor_slots, meta_slots,
                         value_slots)
 
 

@@ -29,7 +29,7 @@ from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
 
 from .rules import RULES
-from .walk import TRACED, BackwardCall
+from ..graph.walk import TRACED, BackwardCall
 
 
 @dataclass(frozen=True)

@@ -19,19 +19,21 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from .. import backends, reorder
-from ..backends.identity import Key, callable_key
-from . import annotate, distributed, fast_walk, hook_ops, routing
+from ... import backends, reorder
+from ...backends.identity import Key, callable_key
+from ..view import annotate
+from ..graph import distributed, fast_walk
+from . import hook_ops, routing
 from .cache import cache
-from .captured_graph import CapturedGraph
-from .errors import FallbackWarning, Unsupported, _Fallback
+from ..view.captured_graph import CapturedGraph
+from ..errors import FallbackWarning, Unsupported, _Fallback
 from .runtime_ops import WrongGradient
-from .saved_tensors import ForeignHooks
-from . import explain
-from .shapes import Guard, SymbolicSizes, baked_positions, changed_positions, dynamic_candidates
-from .tracer import trace_backward
+from ..graph.saved import ForeignHooks
+from ..view import explain
+from ..trace.shapes import Guard, SymbolicSizes, baked_positions, changed_positions, dynamic_candidates
+from ..trace.tracer import trace_backward
 from . import torch_caches
-from .walk import OPAQUE, BackwardCall, walk_backward
+from ..graph.walk import OPAQUE, BackwardCall, walk_backward
 
 log = logging.getLogger("gradfx")
 

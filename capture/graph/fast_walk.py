@@ -20,8 +20,8 @@ roots or distributed training take the generic walk.
 
 from __future__ import annotations
 
-from . import hook_registry
-from .saved_tensors import Origin, SavedTensors, take_saved
+from . import hooks
+from .saved import Origin, SavedTensors, take_saved
 from .walk import ACCUMULATE, FUNCTION, BackwardCall, _flatten_sizes, _value_key, function_materializes, \
     is_traceable, type_info
 
@@ -257,7 +257,7 @@ def generate(call: BackwardCall, tensors, structure):
     namespace = dict(src.consts, take_saved=take_saved, flatten=_flatten_sizes, value_key=_value_key,
                      materializes=function_materializes, is_traceable=is_traceable,
                      SavedTensors=SavedTensors,
-                     hooks_active=hook_registry.active, hooks_none_on=hook_registry.none_on)
+                     hooks_active=hooks.active, hooks_none_on=hooks.none_on)
     exec(compile(code, f"<gradfx fast walk {len(nodes)} nodes>", "exec"), namespace)
     walker = namespace["fast_walk"]
     walker.source = code

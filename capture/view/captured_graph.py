@@ -29,7 +29,7 @@ class CapturedGraph:
 
     def __init__(self, graph_module: fx.GraphModule, *, passes=(), guards=(), opaque_nodes=(),
                  autograd_nodes: int = 0, capture_seconds: float = 0.0, example_inputs=None):
-        from ..reorder import PassRecords
+        from ...reorder import PassRecords
         self.graph_module = graph_module
         self.passes = PassRecords(passes)
         self.guards = list(guards)

@@ -6,7 +6,7 @@ import linecache
 import logging
 import re
 
-from .walk import BackwardCall, _NodeMark
+from ..graph.walk import BackwardCall, _NodeMark
 
 log = logging.getLogger("gradfx")
 

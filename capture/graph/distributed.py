@@ -47,7 +47,7 @@ def _probe(variables) -> bool:
     from torch._dynamo import compiled_autograd
     from torch.autograd.variable import Variable
 
-    from .routing import RoutingEngine
+    from ..run.routing import RoutingEngine
     engine = Variable._execution_engine
     if isinstance(engine, RoutingEngine):
         engine = engine.engine
