@@ -22,7 +22,8 @@ else:
     from .capture.api import capture, compiled_autograd
     from .capture.run.cache import set_cache_size
     from .capture.trace.functions import traceable
-    from .capture.run.session import reset, stats
+    from .capture.run.counters import stats
+    from .capture.run.session import reset
     from .reorder import list_passes
 
     __all__ = [

@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.errors import FallbackWarning
+from ..capture.run import counters
 from ..capture.run.runtime_ops import SIDE_EFFECTS, accumulate_grad, accumulate_grad_unchecked
 
 log = logging.getLogger("gradfx")
@@ -128,8 +129,7 @@ def runner(s: Split, compile_pure, example_inputs: list, fallback, name: str = "
                 fn = False
             compiled[key] = fn
             if len(compiled) > 1:
-                from ..capture.run.session import note_recompile  # here: capture imports the backends
-                note_recompile(name, len(s.pure.graph.nodes), time.perf_counter() - start, key, next(iter(compiled)),
+                counters.note_recompile(name, len(s.pure.graph.nodes), time.perf_counter() - start, key, next(iter(compiled)),
                                len(compiled))
         return fn
 

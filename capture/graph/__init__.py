@@ -1,0 +1,1 @@
+"""Reading the live autograd graph: its structure, sizes, saved tensors and hooks."""

@@ -1,0 +1,1 @@
+"""Running one backward: routing, the block, the cache, and what graphs call."""

@@ -26,11 +26,10 @@ class RoutingEngine:
         self.engine = engine
 
     def run_backward(self, tensors, *args, **kwargs):
-        from .session import current
-        session = current()
-        if session is None or torch_internal(tensors):
+        block = current()
+        if block is None or torch_internal(tensors):
             return self.engine.run_backward(tensors, *args, **kwargs)
-        return session.run_backward(self.engine, tensors, *args, **kwargs)
+        return block.run_backward(self.engine, tensors, *args, **kwargs)
 
     def queue_callback(self, callback):
         # While gradfx runs a backward there is no C++ graph task to hold final
@@ -43,6 +42,32 @@ class RoutingEngine:
 
     def is_checkpoint_valid(self):
         return self.engine.is_checkpoint_valid()
+
+
+class _Blocks(threading.local):
+    """The open blocks of this thread, innermost last."""
+
+    def __init__(self):
+        self.stack = []
+
+
+_blocks = _Blocks()
+
+
+def enter(block) -> None:
+    """A block opens on this thread: its backward calls go to ``block.run_backward``."""
+    install()
+    _blocks.stack.append(block)
+
+
+def leave(block) -> None:
+    _blocks.stack.remove(block)
+
+
+def current():
+    """The innermost open block on this thread, or None."""
+    stack = _blocks.stack
+    return stack[-1] if stack else None
 
 
 _running = threading.local()

@@ -71,5 +71,3 @@ def apply_rule(node, grads, saved=None):
         return None
     return fn(saved if saved is not None else RealSaved(node), *grads)
 
-
-from . import rules_builtin  # noqa: E402,F401  (registers the rules)

@@ -1,0 +1,1 @@
+"""Looking at captured graphs: CapturedGraph, tables, code, pictures, explanations."""
