@@ -113,3 +113,28 @@ def _hidden_state_program(kind, k):
 def test_hidden_sizes_never_reuse_a_wrong_graph(kind, dynamic):
     for k in (1, 2, 4, 1):
         _compare(_hidden_state_program(kind, k), seeds=[k], dynamic=dynamic)
+
+
+def _more_hidden_state(kind, k):
+    def build():
+        a = torch.randn(3, 4, requires_grad=True)
+        if kind == "foreach":  # CppFunction: one Python type for every op without bindings
+            ys = (torch._foreach_mul([a * 1.0], float(k)) if k % 2 else torch._foreach_neg([a * 1.0]))
+            y = ys[0]
+        elif kind == "block_diag":
+            y = torch.block_diag(torch.randn(k, k), a, torch.randn(4 - k, 1))
+        elif kind == "dropout":  # the same mask, train flag changes the scale
+            torch.manual_seed(0)
+            y = torch.ops.aten.native_dropout(a * 1.0, 0.5, bool(k % 2))[0]
+        else:  # y[mask] = v: the number of selected values is data
+            y = torch.zeros(3, 4)
+            mask = torch.arange(12).view(3, 4) < 3 * k
+            y[mask] = (a * 2).flatten()[: int(mask.sum())]
+        return [a], (y * torch.arange(y.numel() * 1.0).view(y.shape)).sum()
+    return build
+
+
+@pytest.mark.parametrize("kind", ["foreach", "block_diag", "dropout", "index_put_mask"])
+def test_more_nodes_with_hidden_state(kind):
+    for k in (1, 2, 3, 1):
+        _compare(_more_hidden_state(kind, k), seeds=[k])

@@ -115,7 +115,8 @@ def _metas_check(src: _Source, node: str, live_node) -> None:
     src.bail_unless(f"len(m) == {len(metas)}")
     for k, meta in enumerate(metas):
         src.emit(f"sh = m[{k}].shape")
-        src.bail_unless(f"len(sh) == {len(meta.shape)} and m[{k}].dtype is {src.const(meta.dtype)}")
+        src.bail_unless(f"len(sh) == {len(meta.shape)} and m[{k}].dtype is {src.const(meta.dtype)} "
+                        f"and m[{k}].device == {src.const(meta.device)}")
         src.emit("sizes += sh")
 
 

@@ -308,6 +308,8 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
         # to `sizes`, so that they can be guarded or made symbolic.
         start = len(sizes)
         sizes.extend(t.shape)
+        if t.layout is not torch.strided:
+            raise _Fallback(f"a {t.layout} tensor among the saved tensors, leaves or gradients")
         if t.is_contiguous():
             stride_start = -1
         else:
@@ -323,7 +325,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
             shape = meta.shape
             meta_slots[(i, nr)] = len(sizes)
             sizes.extend(shape)
-            out.append((len(shape), meta.dtype))
+            out.append((len(shape), meta.dtype, meta.device))
         return tuple(out)
 
     def value_key(i, attr, value):

@@ -37,6 +37,17 @@ RUN_REAL: dict[str, str] = {
     "CatBackward0": "cat_tensors_backward reads every input's size, hidden in C++",
     "CopySlices": "reads the base and view geometry and a wrapped node, hidden in C++",
     "AsStridedBackward0": "reads the input's geometry (its storage offset), hidden in C++",
+    "AsStridedBackward0_copy": "as AsStridedBackward0 (as_strided_copy)",
+    "AsStridedBackward1": "as AsStridedBackward0 (as_strided_)",
+    "BlockDiagBackward0": "reads the sizes of every input, hidden in C++",
+    "NativeDropoutBackward0": "reads the train flag (the scale), hidden in C++",
+    "ToDenseBackward0": "reads masked_grad, hidden in C++",
+    "CppFunction": "every node without Python bindings (foreach ops, C++ custom Functions): one type, "
+                   "no saved values to key",
+    # The cached graph would fix the size of the values a boolean mask selects (data).
+    "IndexPutBackward0": "the values' size follows the data of a boolean index",
+    "IndexPutImplBackward0": "the values' size follows the data of a boolean index",
+    "UnsafeIndexPutBackward0": "the values' size follows the data of a boolean index",
     "MaskedFillBackward1": "masked_fill_backward: masked_select(mask).sum() in eager, where(mask).sum() traced",
     "ProdBackward0": "prod_backward: branches on zeros in the input; result / input in eager",
     "ProdBackward1": "prod_backward (dim): branches on zeros in the input; result / input in eager",
