@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .view import explain
-from .run import torch_caches
-from .view.captured_graph import CapturedGraph
+from . import pipeline
 from .errors import Unsupported, _Fallback
-from .run.session import Session, unused_input_message
-from .trace.shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates
-from .trace.tracer import trace_backward
 from .graph.walk import walk_backward
+from .run.session import Session, unused_input_message
+from .trace.shapes import baked_positions, dynamic_candidates
+from .view.captured_graph import CapturedGraph
 
 
 def compiled_autograd(backend="eager", *, dynamic="auto", strict=False, passes=None, names=None) -> Session:
@@ -69,24 +67,12 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=Non
     for k, found in enumerate(call.outputs or ()):
         if found is None:  # the graph would return None for it, where torch.autograd.grad raises
             raise RuntimeError(unused_input_message(k))
-    window = torch_caches.Window()  # what tracing adds to torch's caches goes with the graph
+    positions = set()
+    if dynamic is True:
+        positions = dynamic_candidates(call.sizes) - baked_positions(call)
     try:
-        with window:
-            symbolic = None
-            if dynamic is True:
-                positions = dynamic_candidates(call.sizes) - baked_positions(call)
-                symbolic = SymbolicSizes(call.sizes, positions) if positions else None
-            try:
-                trace = trace_backward(call, symbolic)
-            except _Fallback as fb:
-                raise Unsupported(fb.reason) from None
-            describe = lambda p: explain.describe_position(call, p)  # noqa: E731  (as a block's guards)
-            guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
-            captured = session.compile_graph(trace, call, compile=False, guards=explain.compact_guards(guard.text),
-                                             size_positions=symbolic.positions if symbolic is not None else (),
-                                             grad_inputs=inputs or (), keep_code=True)[0]
-    except BaseException:
-        window.release_now()
-        raise
-    window.release_with(captured.graph_module)
-    return captured
+        made = pipeline.capture_call(call, positions, session.passes, names=session.names,
+                                     grad_inputs=inputs or (), keep_code=True)
+    except _Fallback as fb:
+        raise Unsupported(fb.reason) from None
+    return made.graph

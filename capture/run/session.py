@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from ... import backends, reorder
 from ...backends.identity import Key, callable_key
+from .. import pipeline
 from ..view import annotate
 from ..graph import distributed, fast_walk
 from . import counters, hook_ops, routing
@@ -29,9 +30,7 @@ from ..errors import FallbackWarning, Unsupported, _Fallback
 from .runtime_ops import WrongGradient
 from ..graph.saved import ForeignHooks
 from ..view import explain
-from ..trace.shapes import Guard, SymbolicSizes, baked_positions, changed_positions, dynamic_candidates
-from ..trace.tracer import trace_backward
-from . import torch_caches
+from ..trace.shapes import baked_positions, changed_positions, dynamic_candidates
 from ..graph.walk import OPAQUE, BackwardCall, walk_backward
 
 log = logging.getLogger("gradfx")
@@ -201,43 +200,20 @@ class Session:
                          explain.size_change(call, cache.last_sizes[structure]))
         else:
             explain.log_structure_miss(call)
-        # What tracing and compiling add to torch's process-wide caches goes with
-        # this graph (torch_caches).
-        window = torch_caches.Window()
-        try:
-            with window:
-                dynamic = self._dynamic_positions(call, structure)
-                trace, symbolic = None, None
-                if dynamic:
-                    symbolic = SymbolicSizes(call.sizes, dynamic)
-                    try:
-                        trace = trace_backward(call, symbolic)
-                    except Exception:
-                        log.info("gradfx: tracing with symbolic sizes failed; capturing static sizes",
-                                 exc_info=log.isEnabledFor(logging.DEBUG))
-                        symbolic = None
-                        call.kinds = list(call.walk_kinds)
-                if trace is None:
-                    trace = self._trace(call, None)
-                describe = lambda p: explain.describe_position(call, p)  # noqa: E731
-                guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
-                captured, compiled, failed = self.compile_graph(
-                    trace, call, guards=explain.compact_guards(guard.text), grad_inputs=grad_inputs,
-                    size_positions=symbolic.positions if symbolic is not None else ())
-        except BaseException:
-            window.release_now()
-            raise
-        window.release_with(captured.graph_module)
+        made = pipeline.capture_call(call, self._dynamic_positions(call, structure), self.passes,
+                                     names=self.names, grad_inputs=grad_inputs, compile=self._compile)
+        captured, guard = made.graph, made.guard
+        compiled, failed = made.compiled
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
         self.graphs.append(captured)
         specs = None
         if call.outputs is not None and (failed is None and not self._trusted):
             specs = _output_specs(captured.graph_module.graph)
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
-                                 guard, symbolic.positions if symbolic is not None else (), failed, specs)
-        if symbolic is not None:
-            cache.dynamic_positions[structure] = set(symbolic.positions)
-        cache.put(structure, call.sizes, entry, dynamic=symbolic is not None)
+                                 guard, made.size_positions, failed, specs)
+        if made.size_positions:
+            cache.dynamic_positions[structure] = set(made.size_positions)
+        cache.put(structure, call.sizes, entry, dynamic=bool(made.size_positions))
         self._add_fast_walker(call, structure, tensors)
         return entry
 
@@ -264,36 +240,6 @@ class Session:
                 return set()
             wanted = changed_positions(previous, call.sizes, call) | cache.dynamic_positions.get(structure, set())
         return wanted - baked_positions(call)
-
-    def _trace(self, call, symbolic):
-        try:
-            return trace_backward(call, symbolic)
-        except _Fallback:
-            raise
-        except Exception as err:
-            # Errors eager raises at the same point (a wrong shape, ...) are eager's.
-            if isinstance(err, RuntimeError) and "returned an invalid gradient" in str(err):
-                raise
-            log.debug("gradfx: trace failed", exc_info=True)
-            raise _Fallback(f"tracing failed ({type(err).__name__}: {err})") from err
-
-    def compile_graph(self, trace, call: BackwardCall, compile: bool = True, guards=(), size_positions=(),
-                      grad_inputs=(), keep_code: bool = False):
-        """(CapturedGraph, compiled callable or None, why the backend failed or None)."""
-        start = time.perf_counter()
-        annotate.apply(trace.graph, call, self.names, grad_inputs)
-        records = reorder.run_pipeline(trace.graph, self.passes, keep_code)
-        examples = [call.sizes[p] for p in size_positions] + list(call.inputs)
-        gm = fx.GraphModule(torch.nn.Module(), trace.graph)
-        captured = CapturedGraph(gm, passes=records, opaque_nodes=trace.opaque, guards=guards,
-                                 autograd_nodes=len(call.nodes),
-                                 capture_seconds=trace.seconds, example_inputs=examples)
-        compiled, failed = self._compile(gm, examples) if compile else (None, None)
-        log.info("gradfx: captured %d autograd nodes into %d fx nodes (%d opaque); trace %.1f ms, "
-                 "passes+compile %.1f ms with backend %s", len(call.nodes), len(gm.graph.nodes),
-                 len(trace.opaque), trace.seconds * 1e3, (time.perf_counter() - start) * 1e3,
-                 self.backend_name)
-        return captured, compiled, failed
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list):
         """(compiled callable, None), or (eager stand-in, reason) if the backend failed.

@@ -1,0 +1,97 @@
+"""One capture: a walked backward call -> traced graph -> passes -> CapturedGraph.
+
+Both ``gradfx.capture`` and a block's cache miss go through :func:`capture_call`;
+the block then compiles the graph with its backend, ``capture`` does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .. import reorder
+from .errors import _Fallback
+from .graph.walk import BackwardCall
+from .run import torch_caches
+from .trace.shapes import Guard, SymbolicSizes
+from .trace.tracer import trace_backward
+from .view import annotate, explain
+from .view.captured_graph import CapturedGraph
+
+log = logging.getLogger("gradfx")
+
+
+@dataclass
+class Capture:
+    """What a capture made: the graph, its guard, and the sizes it takes as inputs."""
+
+    graph: CapturedGraph
+    guard: Guard
+    size_positions: list  # positions of call.sizes passed to the graph, before its inputs
+    example_inputs: list
+    opaque: list  # labels of the autograd nodes run as the real node
+    compiled: object = None  # what ``compile`` returned
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self.graph.graph_module
+
+
+def capture_call(call: BackwardCall, dynamic_positions: set, passes, *, names=None, grad_inputs=(),
+                 keep_code: bool = False, compile=None) -> Capture:
+    """Trace ``call`` (symbolic at ``dynamic_positions``; static if that trace fails),
+    run ``passes``, wrap the result and ``compile(gm, example_inputs)`` it if given.
+    Raises ``_Fallback`` if it cannot be traced."""
+    window = torch_caches.Window()  # what tracing adds to torch's caches goes with the graph
+    try:
+        with window:
+            start = time.perf_counter()
+            trace, symbolic = None, None
+            if dynamic_positions:
+                symbolic = SymbolicSizes(call.sizes, dynamic_positions)
+                try:
+                    trace = trace_backward(call, symbolic)
+                except Exception:
+                    log.info("gradfx: tracing with symbolic sizes failed; capturing static sizes",
+                             exc_info=log.isEnabledFor(logging.DEBUG))
+                    symbolic = None
+                    call.kinds = list(call.walk_kinds)
+            if trace is None:
+                trace = _trace_static(call)
+            describe = lambda p: explain.describe_position(call, p)  # noqa: E731
+            guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
+            size_positions = symbolic.positions if symbolic is not None else []
+            annotate.apply(trace.graph, call, names, grad_inputs)
+            records = reorder.run_pipeline(trace.graph, passes, keep_code)
+            examples = [call.sizes[p] for p in size_positions] + list(call.inputs)
+            gm = fx.GraphModule(torch.nn.Module(), trace.graph)
+            graph = CapturedGraph(gm, passes=records, opaque_nodes=trace.opaque,
+                                  guards=explain.compact_guards(guard.text), autograd_nodes=len(call.nodes),
+                                  capture_seconds=trace.seconds, example_inputs=examples)
+            log.info("gradfx: captured %d autograd nodes into %d fx nodes (%d opaque) in %.1f ms",
+                     len(call.nodes), len(gm.graph.nodes), len(trace.opaque), (time.perf_counter() - start) * 1e3)
+            made = Capture(graph, guard, size_positions, examples, trace.opaque)
+            if compile is not None:
+                made.compiled = compile(gm, examples)
+    except BaseException:
+        window.release_now()
+        raise
+    window.release_with(gm)
+    return made
+
+
+def _trace_static(call: BackwardCall):
+    try:
+        return trace_backward(call, None)
+    except _Fallback:
+        raise
+    except Exception as err:
+        # Errors eager raises at the same point (a wrong shape, ...) are eager's.
+        if isinstance(err, RuntimeError) and "returned an invalid gradient" in str(err):
+            raise
+        log.debug("gradfx: trace failed", exc_info=True)
+        raise _Fallback(f"tracing failed ({type(err).__name__}: {err})") from err
