@@ -30,7 +30,8 @@ from torch.utils import _pytree as pytree
 
 from ..capture.errors import FallbackWarning
 from ..capture.run import counters
-from ..capture.run.runtime_ops import SIDE_EFFECTS, accumulate_grad, accumulate_grad_unchecked
+from ..capture.run.runtime_ops import accumulate_grad_unchecked
+from ..capture.trace.kinds import SIDE_EFFECTS, kind_of
 
 log = logging.getLogger("gradfx")
 
@@ -61,14 +62,15 @@ def split(gm: fx.GraphModule) -> Split | None:
             continue
         if node.op != "call_function":
             return None
-        if node.target is accumulate_grad:
+        kind = kind_of(node)
+        if kind == "accumulate":
             leaf, grad, steal = node.args
             if node.users or leaf.op != "placeholder":
                 return None
             accumulations.append((position[leaf], len(grads), bool(steal)))
             grads.append(grad)
             acc_nodes.add(node)
-        elif node.target in SIDE_EFFECTS or not _pure(node):
+        elif kind in SIDE_EFFECTS or not _pure(node):
             return None
     output = next(n for n in graph.nodes if n.op == "output")
     outputs, spec = pytree.tree_flatten(output.args[0])

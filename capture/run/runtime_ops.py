@@ -2,7 +2,7 @@
 
 They appear in the fx graph as ``call_function`` nodes.  Each one is a side effect
 or touches a live Python object, so backends must not trace into them and DCE must
-keep them (``SIDE_EFFECTS`` is the table the DCE pass reads).
+keep them (``capture.trace.kinds`` says which kind each is).
 """
 
 from __future__ import annotations
@@ -208,11 +208,3 @@ def _expandable(shape, desired) -> bool:
         if s != d and s != 1:
             return False
     return True
-
-
-def _side_effects():
-    from .hook_ops import HOOK_CALLS
-    return frozenset({accumulate_grad, accumulate_grad_unchecked, call_node, call_backward} | HOOK_CALLS)
-
-
-SIDE_EFFECTS = _side_effects()

@@ -381,6 +381,7 @@ def _run_engine(t: _Tracer, grads):
         while node is not graph._root:
             node.meta.setdefault("gradfx_node", label)
             node.meta.setdefault("gradfx_node_index", i)
+            node.meta.setdefault("gradfx_kind", "compute")  # what proxy mode recorded: aten ops
             node = node.next
     return captured
 

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..run import hook_ops, runtime_ops
+from ..trace.kinds import kind_of
 from .annotate import tensor_label
 
 # Input kinds, by what a person reads them as.  "runtime" inputs are live
@@ -45,16 +46,10 @@ _HOOK_WORDS = {
 def node_kind(node: fx.Node) -> str:
     """``size``, ``grad``, ``saved``, ``leaf``, ``runtime`` (inputs), ``compute``,
     ``opaque``, ``hook``, ``accumulate`` or ``output``."""
-    stamp = node.meta.get("gradfx_kind")
+    kind = kind_of(node)
     if node.op == "placeholder":
-        return _PLACEHOLDER_KINDS.get(stamp, "input")
-    if node.op == "output":
-        return "output"
-    if stamp in ("hook", "opaque", "accumulate", "compute"):
-        return stamp
-    if node.target is runtime_ops.accumulate_grad:  # graphs made without the tracer's stamps
-        return "accumulate"
-    return "compute"
+        return _PLACEHOLDER_KINDS.get(kind, "input")
+    return kind
 
 
 def shown(node: fx.Node) -> bool:

@@ -1,0 +1,59 @@
+"""What each fx node of a captured graph is: stamped once by the tracer, read everywhere.
+
+The tracer stamps ``node.meta["gradfx_kind"]`` on every node it records:
+placeholders by the runtime input they take (``size``, ``grad``, ``saved``,
+``variable``, ``node``, ``hook``, ``retained``), calls as ``compute`` (pure
+tensor code), ``accumulate`` (writes a leaf's ``.grad``), ``hook`` (calls user
+code) or ``opaque`` (runs a real autograd node or a custom Function's backward).
+Rewrites keep the stamp (the compiler-facing form swaps targets, not kinds), so
+the DCE pass, the split backend and the views all ask :func:`kind_of`.  Nodes a
+user's pass adds carry no stamp: they are classified by their target.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..run import hook_ops, runtime_ops
+
+SIDE_EFFECTS = frozenset({"accumulate", "hook", "opaque"})
+
+# For nodes without a stamp: gradfx's runtime functions by what they do.
+_BY_TARGET = {
+    runtime_ops.accumulate_grad: "accumulate", runtime_ops.accumulate_grad_unchecked: "accumulate",
+    runtime_ops.call_node: "opaque", runtime_ops.call_backward: "opaque",
+    **{fn: "hook" for fn in hook_ops.HOOK_CALLS},
+}
+
+
+def stamp(node: fx.Node, kind: str) -> None:
+    node.meta["gradfx_kind"] = kind
+
+
+def kind_of(node: fx.Node) -> str:
+    """The node's kind; ``output`` for the output node, ``input`` for an unstamped placeholder."""
+    if node.op == "output":
+        return "output"
+    kind = node.meta.get("gradfx_kind")
+    if kind is not None:
+        return kind
+    if node.op == "placeholder":
+        return "input"
+    return _BY_TARGET.get(node.target, "compute") if node.op == "call_function" else "compute"
+
+
+def has_side_effect(node: fx.Node) -> bool:
+    """Must the node stay even if nothing uses its result?"""
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op != "call_function":
+        return False
+    if kind_of(node) in SIDE_EFFECTS:
+        return True
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):  # in-place and out= ops write to their arguments
+        schema = target._schema
+        return schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write
+                                        for a in schema.arguments)
+    return False
