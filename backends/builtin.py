@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 
@@ -30,11 +31,16 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     The code runs on a private copy of the graph that accumulates with
     ``accumulate_grad_unchecked``: this code is generated from the traced graph,
     so its gradients have their leaves' metadata by construction, and the check
-    that other backends' code gets would only cost time on every backward.
+    that other backends' code gets would only cost time on every backward.  The
+    copy calls each aten overload's own C function rather than its Python
+    ``OpOverload`` wrapper (the same kernel, one Python frame less per op).
     """
     graph = copy.deepcopy(gm.graph)
     for node in graph.find_nodes(op="call_function", target=accumulate_grad):
         node.target = accumulate_grad_unchecked
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            node.target = _direct(node.target)
     boxed = frees_inputs_early(gm.graph)
     if boxed:
         graph.set_codegen(_BoxedCodeGen())
@@ -47,6 +53,21 @@ def eager(gm: fx.GraphModule, example_inputs: list):
         return forward(list(args))
     run._boxed = forward
     return run
+
+
+_direct_calls: dict = {}
+
+
+def _direct(op: torch._ops.OpOverload):
+    """``op``'s own C function, named so that fx's code calls it as a global: the same
+    overload without ``OpOverload.__call__``'s Python frame (0.4 us an op)."""
+    fn = _direct_calls.get(op)
+    if fn is None:
+        fn = functools.partial(op._op)  # a C-level callable that can carry a name
+        fn.__name__ = fn.__qualname__ = str(op).replace(".", "_")
+        fn.__module__ = __name__
+        _direct_calls[op] = fn
+    return fn
 
 
 def _functionalized(pure: fx.GraphModule, example_inputs: list) -> fx.GraphModule:

@@ -59,7 +59,7 @@ def capture_call(call: BackwardCall, dynamic_positions: set, passes, *, names=No
                     log.info("gradfx: tracing with symbolic sizes failed; capturing static sizes",
                              exc_info=log.isEnabledFor(logging.DEBUG))
                     symbolic = None
-                    call.kinds = list(call.walk_kinds)
+                    call.kinds = [r.kind for r in call.records]
             if trace is None:
                 trace = _trace_static(call)
             describe = lambda p: explain.describe_position(call, p)  # noqa: E731

@@ -37,7 +37,7 @@ def test_walker_equals_generic_walk(name):
         model(torch.randn(*shape)).sum().backward()
     walker = _walker()
     loss = model(torch.randn(*shape)).sum()
-    nodes, owned, inputs, sizes, seq = walker((loss,), (torch.ones(()),))
+    nodes, owned, inputs, sizes, seq = walker((loss,), (torch.ones(()),), ())
     generic = walk_backward((loss,), (torch.ones(()),), (), True)  # adopts what the walker took
     assert (generic.key, walker.structure[1]) == walker.structure
     assert generic.sizes == sizes
@@ -62,7 +62,7 @@ def test_walker_rejects_other_structures():
                  b(a(x)).relu().sum(),              # another node type
                  b(a(x.t().contiguous().t())).sum(),  # input stays, but a saved tensor is non-contiguous
                  b(a(torch.randn(3, 4))).sum()]:    # other sizes: accepted, sizes differ
-        found = walker((loss,), (torch.ones(()),))
+        found = walker((loss,), (torch.ones(()),), ())
         if found is not None:
             assert found[3] != walk_backward((b(a(x)).sum(),), (torch.ones(()),), (), True).sizes
 

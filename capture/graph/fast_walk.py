@@ -1,44 +1,49 @@
 """A walker generated for one graph structure: the cache-hit path.
 
 The generic walk (``walk.walk_backward``) discovers an unknown graph and builds
-its structure key.  Once a structure has a compiled graph, backwards of the same
-structure do not need discovery: the next backward most likely has exactly that
-structure.  For it gradfx generates straight-line Python that *checks* the
-prediction while collecting what the graph needs:
+its structure key.  Once a structure has a compiled graph, the next backward most
+likely has exactly that structure, so gradfx generates straight-line Python
+that *checks* the prediction while collecting what the graph needs, node by node
+from the same specifications (``kinds``) the generic walk follows:
 
-* node types, edges (new node or the same object as an earlier one), input
-  numbers, the order of sequence numbers;
-* saved non-tensor values, tensor dtypes/devices/layouts/ranks, metadata;
-* then takes the saved tensors over and gathers the runtime inputs and sizes in
-  the generic walk's order.
+* roots, node types, edges (a new node or the same object as an earlier one),
+  input numbers, the order of sequence numbers, the inputs of ``autograd.grad``;
+* per node, its kind's checks: saved values, metadata, tensor structure, hooks;
+* then, every check passed, the saved tensors are taken over, and the runtime
+  inputs and sizes come out in the generic walk's order.
 
 Any difference returns None and the generic walk runs instead, so a generated
-walker can only be faster, never different: for a graph it accepts, it returns
-exactly what the generic walk would.  Graphs with hooks, ``inputs=``, several
-roots or distributed training take the generic walk.
+walker can only be faster, never different.  Graphs with several roots, hooks,
+``inputs=`` or distributed training take it too.
 """
 
 from __future__ import annotations
 
-from . import hooks
-from .saved import Origin, SavedTensors, take_saved
-from .walk import ACCUMULATE, FUNCTION, BackwardCall, _flatten_sizes, _value_key, function_materializes, \
-    is_traceable, type_info
+from functools import partial
+
+from . import distributed, hooks
+from .kinds import (ACCUMULATE, OPAQUE, ctx_key, emit_hooks, emit_tensor, flatten_sizes, function_materializes,
+                    kind_of, value_key)
+from .saved import SavedTensors, _unpack
+from .walk import BackwardCall, root_edge
 
 
 class _Source:
-    """Accumulates generated lines with indentation."""
+    """Generated lines, the constants they refer to, and names per node."""
 
     def __init__(self):
         self.lines: list[str] = []
         self.consts: dict[str, object] = {}
+        self._const_names: dict[int, str] = {}
+        self.saved_names: dict[int, list] = {}  # node index -> variables of its saved tensors
+        self.hook_lists: dict[int, str | None] = {}  # node index -> variable of its hook inputs
 
     def const(self, value) -> str:
-        for name, v in self.consts.items():
-            if v is value:
-                return name
-        name = f"C{len(self.consts)}"
-        self.consts[name] = value
+        name = self._const_names.get(id(value))
+        if name is None or self.consts[name] is not value:
+            name = f"C{len(self.consts)}"
+            self.consts[name] = value
+            self._const_names[id(value)] = name
         return name
 
     def emit(self, line: str) -> None:
@@ -48,100 +53,31 @@ class _Source:
         self.emit(f"if not ({cond}): return None")
 
 
-def _device_check(src: _Source, var: str, device) -> str:
-    return f"{var}.is_cpu" if device.type == "cpu" else f"{var}.device == {src.const(device)}"
-
-
-def _tensor_check(src: _Source, var: str, call: BackwardCall, pos: int, t) -> None:
-    """Check a tensor's structure and append its sizes as the generic walk does."""
-    start, ndim, stride_start = call.tensor_slots[pos]
-    contiguous = "" if stride_start < 0 else "not "
-    src.emit(f"sh = {var}.shape")
-    src.bail_unless(f"len(sh) == {ndim} and {var}.dtype is {src.const(t.dtype)} and "
-                    f"{var}.layout is {src.const(t.layout)} and {_device_check(src, var, t.device)} "
-                    f"and {contiguous}{var}.is_contiguous()")
-    src.emit("sizes += sh")
-    if stride_start >= 0:
-        src.emit(f"sizes += {var}.stride()")
-
-
-def _read_saved(src: _Source, i: int, node, info, mask, call: BackwardCall, positions) -> bool:
-    """Pass 1 for a node's saved tensors: read, check and size them (nothing taken yet).
-
-    Reading ``node._saved_x`` before gradfx's hooks are installed runs eager's
-    in-place-modification check.  Returns False for nodes whose saved values
-    come in groups (lists of tensors): those go through ``take_saved`` in pass 2.
-    """
-    groups = [getattr(node, raw) for raw in info.raw_saved]
-    if any(type(g) is tuple for g in groups):
-        for p in positions:  # placeholders, filled in pass 2
-            start, ndim, stride_start = call.tensor_slots[p]
-            src.emit(f"sizes += {src.const((0,) * (ndim if stride_start < 0 else 2 * ndim))}")
-        return False
-    k = 0
-    for slot, (raw, attr) in enumerate(zip(info.raw_saved, info.saved_tensors)):
-        src.emit(f"r{i}_{slot} = n{i}.{raw}")
-        src.bail_unless(f"r{i}_{slot}.unpack_hook is None")  # ours from a retained run, or the user's
-        src.emit(f"x{i}_{slot} = n{i}.{attr}")
-        if not mask[slot]:
-            src.bail_unless(f"x{i}_{slot} is None")
-            continue
-        p = positions[k]
-        k += 1
-        _tensor_check(src, f"x{i}_{slot}", call, p, call.inputs[p])
-    return True
-
-
-def _own_saved(src: _Source, i: int, node, info, mask, read: bool) -> list[str]:
-    """Pass 2: take the saved tensors over; returns the names of the graph inputs."""
-    if not read:  # the caller sizes what take_saved collected
-        src.emit(f"o, mask = take_saved(n{i}, {src.const(info.raw_saved)}, {src.const(info.saved_tensors)})")
-        src.bail_unless(f"mask == {src.const(mask)}")
-        return []
-    src.emit("o = SavedTensors()")
-    names = []
-    for slot in range(len(info.raw_saved)):
-        if mask[slot]:
-            src.emit(f"r{i}_{slot}.register_hooks(*o.hooks())")
-            names.append(f"x{i}_{slot}")
-    origin = Origin.of(node, info.saved_tensors, False)
-    src.emit(f"o.seal({src.const(mask)}, {src.const(origin)})")
-    return names
-
-
-def _metas_check(src: _Source, node: str, live_node) -> None:
-    metas = live_node._input_metadata
-    src.emit(f"m = {node}._input_metadata")
-    src.bail_unless(f"len(m) == {len(metas)}")
-    for k, meta in enumerate(metas):
-        src.emit(f"sh = m[{k}].shape")
-        src.bail_unless(f"len(sh) == {len(meta.shape)} and m[{k}].dtype is {src.const(meta.dtype)} "
-                        f"and m[{k}].device == {src.const(meta.device)}")
-        src.emit("sizes += sh")
-
-
 def generate(call: BackwardCall, tensors, structure):
     """A walker for ``call``'s structure, or None if this kind of call has none."""
-    if (len(call.roots) != 1 or call.outputs is not None or call.hooks
-            or any(k is None for k in call.kinds)):
-        return None
+    records = call.records
+    if any(r.kind is OPAQUE for r in records) or any(t.grad_fn is None for t in tensors):
+        return None  # saved tensors under the user's hooks; leaf roots
     src = _Source()
     nodes = call.nodes
     n = len(nodes)
-    if tensors[0].grad_fn is None:
-        return None
-    (root, root_nr), = call.roots
-    src.emit("t = tensors[0]")
-    src.emit("n0 = t.grad_fn")
-    src.bail_unless(f"n0 is not None and type(n0) is {src.const(type(nodes[0]))} "
-                    f"and t.output_nr == {root_nr}")
 
-    # Discovery, in the generic walk's order: each edge is a new node or an old one.
-    seen = 1
+    # Roots, then discovery in the generic walk's order: each edge is a new node or an old one.
+    named = set()
+    for k, (j, nr) in enumerate(call.roots):
+        src.emit(f"t = tensors[{k}]")
+        if j in named:
+            src.bail_unless(f"t.grad_fn is n{j} and t.output_nr == {nr}")
+            continue
+        named.add(j)
+        src.emit(f"n{j} = t.grad_fn")
+        src.bail_unless(f"n{j} is not None and type(n{j}) is {src.const(type(nodes[j]))} "
+                        f"and t.output_nr == {nr}")
+    seen = len(named)
     for i in range(n):
         src.emit(f"nf = n{i}.next_functions")
-        src.bail_unless(f"len(nf) == {len(call.edges[i])}")
-        for k, e in enumerate(call.edges[i]):
+        src.bail_unless(f"len(nf) == {len(records[i].edges)}")
+        for k, e in enumerate(records[i].edges):
             if e is None:
                 src.bail_unless(f"nf[{k}][0] is None")
                 continue
@@ -152,119 +88,83 @@ def generate(call: BackwardCall, tensors, structure):
                 seen += 1
             else:
                 src.bail_unless(f"nf[{k}][0] is n{j} and nf[{k}][1] == {nr}")
-    node_list = ", ".join(f"n{i}" for i in range(n))
-    src.emit(f"nodes = [{node_list}]")
+    src.emit(f"nodes = [{', '.join(f'n{i}' for i in range(n))}]")
     src.bail_unless(f"len(set(map(id, nodes))) == {n}")  # no predicted-new node was an old one
-    src.bail_unless("not hooks_active() or hooks_none_on(nodes)")
+
+    if call.outputs is not None:  # autograd.grad / backward(inputs=): where each input's edge is
+        for pos, out in enumerate(call.outputs):
+            src.emit(f"fn, nr = edge(inputs[{pos}])")
+            if call.accumulate:
+                src.bail_unless(f"inputs[{pos}].grad_fn is None")
+            if out is None:
+                src.bail_unless("fn is not None and all(fn is not x for x in nodes)")
+            else:
+                src.bail_unless(f"fn is n{out[0]} and nr == {out[1]}")
 
     # Sequence-number order (ties keep discovery order, as the stable sort does).
     seq = [nd._sequence_nr() for nd in nodes]
     order = sorted(range(n), key=seq.__getitem__)
     src.emit("s = [x._sequence_nr() for x in nodes]")
-    chain = []
-    for a, b in zip(order, order[1:]):
-        chain.append(f"s[{a}] {'<=' if a < b else '<'} s[{b}]")
+    chain = [f"s[{a}] {'<=' if a < b else '<'} s[{b}]" for a, b in zip(order, order[1:])]
     if chain:
         src.bail_unless(" and ".join(chain))
 
-    # Per node: leaf hooks, values, metadata (before anything is taken over).  Saved
-    # tensors' sizes get placeholders here and are filled in once taken over, so
-    # `sizes` has the generic walk's order.
-    src.emit("sizes = []")
-    src.emit("g = grads[0]")
-    _tensor_check(src, "g", call, 0, call.inputs[0])
-    saved_positions = {i: [p for p, (kind, owner) in enumerate(zip(call.input_kinds, call.input_owner))
-                           if kind == "saved" and owner == i] for i in range(n)}
-    read: dict[int, bool] = {}
-    for i, node in enumerate(nodes):
-        kind = call.walk_kinds[i]
-        info = type_info(type(node))
-        var = f"n{i}"
-        if kind is ACCUMULATE:
-            v = node.variable
-            src.emit(f"v{i} = {var}.variable")
-            src.bail_unless(f"v{i}._backward_hooks is None and v{i}._post_accumulate_grad_hooks is None "
-                            f"and v{i}.requires_grad is {v.requires_grad}")
-            src.emit(f"sh = v{i}.shape")
-            src.bail_unless(f"len(sh) == {v.dim()} and v{i}.dtype is {src.const(v.dtype)} "
-                            f"and v{i}.layout is {src.const(v.layout)} and {_device_check(src, f'v{i}', v.device)} "
-                            f"and v{i}.is_contiguous() is {v.is_contiguous()}")
-            src.emit("sizes += sh")
-            if not v.is_contiguous():
-                src.emit(f"sizes += v{i}.stride()")
-            continue
-        if info.raw_saved and call.owned[i] is None:
-            return None  # saved tensors under the user's hooks: generic walk
-        if info.kind is FUNCTION:
-            if kind is FUNCTION:
-                return None  # a traced custom Function keys its ctx: generic walk
-            src.bail_unless(f"{var}.needs_input_grad == {src.const(node.needs_input_grad)} "
-                            f"and materializes({var}) is {function_materializes(node)} "
-                            f"and not is_traceable(type({var}))")
-            _metas_check(src, var, node)
-        else:
-            _metas_check(src, var, node)
-            for attr in info.saved_values:
-                value = getattr(node, attr)
-                if attr in info.size_values:
-                    layout = _flatten_sizes(value, [])
-                    if layout is None:  # one int
-                        src.emit(f"x = {var}.{attr}")
-                        src.bail_unless("type(x) is int")
-                        src.emit("sizes.append(x)")
-                    elif isinstance(layout, tuple) and all(e is None for e in layout):  # flat sizes
-                        src.emit(f"x = {var}.{attr}")
-                        src.bail_unless(f"type(x) is tuple and len(x) == {len(layout)}")
-                        src.emit("sizes += x")
-                    else:
-                        src.bail_unless(f"flatten({var}.{attr}, sizes) == {src.const(layout)}")
-                else:
-                    src.bail_unless(f"value_key({var}.{attr}) == {src.const(_value_key(value))}")
-        if call.owned[i] is not None:
-            read[i] = _read_saved(src, i, node, info, call.owned[i].mask, call, saved_positions[i])
+    accumulators = [i for i in range(n) if records[i].kind is ACCUMULATE]
+    if accumulators:  # DistributedDataParallel's C++ reducer hooks: the generic walk falls back
+        src.bail_unless(f"not dist_initialized() or not cpp_hooks_reason([{', '.join(f'n{i}' for i in accumulators)}])")
+    src.emit("active = hooks_active()")
+    src.emit("retained = retained_by_node({id(x): k for k, x in enumerate(nodes)}) if active else {}")
 
-    # Every check passed: take the saved tensors over, then build the inputs in the
-    # generic walk's order.
-    src.emit(f"owned = [None] * {n}")
-    inputs = ["g"]
+    # Pass 1, per node: its kind's checks, sizes and reads; nothing taken over yet.
+    src.emit("sizes = []")
+    for k in range(len(call.roots)):
+        src.emit(f"g{k} = grads[{k}]")
+        emit_tensor(src, f"g{k}", call, k, call.inputs[k])
+    specs = {}
     for i, node in enumerate(nodes):
-        if call.walk_kinds[i] is ACCUMULATE:
-            inputs.append(f"v{i}")
+        rec = records[i]
+        if not rec.runs:
+            if i in call.captures:  # tensor pre-hooks still run before the capture
+                src.hook_lists[i] = emit_hooks(src, i, rec, f"n{i}.variable" if rec.kind is ACCUMULATE else None)
             continue
-        owned = call.owned[i]
-        if owned is not None:
-            names = _own_saved(src, i, node, type_info(type(node)), owned.mask, read[i])
-            src.emit(f"owned[{i}] = o")
-            if not read[i]:  # grouped saved tensors: size them now
-                for k, p in enumerate(saved_positions[i]):
-                    start, ndim, stride_start = call.tensor_slots[p]
-                    t = call.inputs[p]
-                    src.emit(f"x = o.tensors[{k}]")
-                    src.emit("sh = x.shape")
-                    src.bail_unless(f"len(sh) == {ndim} and x.dtype is {src.const(t.dtype)} and x.layout is "
-                                    f"{src.const(t.layout)} and {_device_check(src, 'x', t.device)} "
-                                    f"and x.is_contiguous() is {stride_start < 0}")
-                    src.emit(f"sizes[{start}:{start + ndim}] = sh")
-                    if stride_start >= 0:
-                        src.emit(f"sizes[{stride_start}:{stride_start + ndim}] = x.stride()")
-                    src.emit(f"x{i}_g{k} = x")
-                names = [f"x{i}_g{k}" for k in range(len(saved_positions[i]))]
-            inputs.extend(names)
-        inputs.append(f"n{i}")
+        spec, info = kind_of(node)
+        specs[i] = (spec, info)
+        spec.check(src, i, node, info, call)
+
+    # Pass 2: every check passed; take the saved tensors over, gather the inputs.
+    src.emit(f"owned = [None] * {n}")
+    for i, (spec, info) in specs.items():
+        spec.take(src, i, nodes[i], info, call)
+    inputs = [f"g{k}" for k in range(len(call.roots))]
+    for i in range(n):
+        if i in specs:
+            inputs += specs[i][0].inputs(src, i, call)
+        hook_list = src.hook_lists.get(i)
+        if hook_list is not None:
+            inputs.append(f"*{hook_list}")
     src.emit(f"inputs = [{', '.join(inputs)}]")
     src.emit("return nodes, owned, inputs, sizes, s")
 
-    code = "def fast_walk(tensors, grads):\n" + "\n".join(src.lines) + "\n"
-    namespace = dict(src.consts, take_saved=take_saved, flatten=_flatten_sizes, value_key=_value_key,
-                     materializes=function_materializes, is_traceable=is_traceable,
-                     SavedTensors=SavedTensors,
-                     hooks_active=hooks.active, hooks_none_on=hooks.none_on)
-    exec(compile(code, f"<gradfx fast walk {len(nodes)} nodes>", "exec"), namespace)
+    code = "def fast_walk(tensors, grads, inputs):\n" + "\n".join(src.lines) + "\n"
+    namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, ctx_key=ctx_key,
+                     materializes=function_materializes, SavedTensors=SavedTensors, partial=partial,
+                     unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
+                     collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
+                     dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)
+    exec(compile(code, f"<gradfx fast walk {n} nodes>", "exec"), namespace)
     walker = namespace["fast_walk"]
     walker.source = code
     walker.template = _template(call)
     walker.structure = structure
     return walker
+
+
+def _any_hooked(saved_variables) -> bool:
+    return any(v.unpack_hook is not None for v in saved_variables)
+
+
+def _accumulators_hooked(accumulators) -> bool:
+    return distributed.cpp_hooks_reason(accumulators) is not None
 
 
 def _template(call: BackwardCall) -> BackwardCall:
@@ -273,7 +173,7 @@ def _template(call: BackwardCall) -> BackwardCall:
     template = BackwardCall.__new__(BackwardCall)
     template.__dict__.update(call.__dict__)
     template.nodes = template.owned = template.inputs = template.sizes = template.seq = None
-    template.hooks = {}
+    template.walk_kinds = tuple(r.kind for r in call.records)
     return template
 
 

@@ -28,20 +28,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import _HookMixin
 from torch.overrides import has_torch_function_unary
-
-
-@dataclass
-class NodeHooks:
-    """The hooks of one autograd node, each kind in registration order."""
-
-    tensor_pre: list = field(default_factory=list)  # (output_nr, hook dict)
-    pre: dict | None = None
-    post: dict | None = None
 
 
 @dataclass
@@ -162,41 +153,75 @@ def _probe_node(node) -> tuple:
     return pre, post
 
 
-def node_hooks(node) -> NodeHooks | None:
-    """The hooks of ``node`` that hold at least one hook (None if it has none)."""
+class Found:
+    """The hooks of one node, each kind in eager's order (callables; tensors for retain)."""
+
+    __slots__ = ("tensor_pre", "retain", "pre", "post", "post_accumulate")
+
+    def __init__(self):
+        self.tensor_pre = []  # (output_nr, [callables])
+        self.retain = []  # (output_nr, tensor)
+        self.pre = ()
+        self.post = ()
+        self.post_accumulate = ()
+
+    def key(self) -> tuple:
+        """The hooks' shape: part of the structure key (kinds.HookSpec.key is the same)."""
+        return (tuple((nr, len(c)) for nr, c in self.tensor_pre), tuple(nr for nr, _ in self.retain),
+                len(self.pre), len(self.post), len(self.post_accumulate))
+
+    def inputs(self) -> list:
+        """The runtime inputs, in the order the walk adds them."""
+        out = [h for _, callables in self.tensor_pre for h in callables]
+        out += [t for _, t in self.retain]
+        out += self.pre
+        out += self.post
+        out += self.post_accumulate
+        return out
+
+
+def collect(node, variable, retained, active: bool) -> Found | None:
+    """Every hook of ``node`` (``variable``: its leaf, for an accumulator), or None.
+
+    ``retained``: (output_nr, tensor) of the retain_grad() tensors whose grad_fn
+    is ``node``; ``active``: :func:`active` (when False only a leaf's own hooks
+    are read).
+    """
     found = None
+    if variable is not None:
+        if variable._backward_hooks:
+            found = Found()
+            found.tensor_pre.append((0, list(variable._backward_hooks.values())))
+        if variable._post_accumulate_grad_hooks:
+            found = found or Found()
+            found.post_accumulate = list(variable._post_accumulate_grad_hooks.values())
+    if not active:
+        return found
     entry = _tensor_pre.get(id(node))
     if entry is not None and entry.witness == _witness(node):
-        dicts = [(nr, d) for nr, ref in entry.dicts if (d := ref())]
-        if dicts:
-            found = NodeHooks(tensor_pre=dicts)
+        for nr, ref in entry.dicts:
+            d = ref()
+            if d:
+                found = found or Found()
+                found.tensor_pre.append((nr, list(d.values())))
+    if retained:
+        found = found or Found()
+        found.retain = list(retained)
     if _node_dicts:
         pre, post = _probe_node(node)
         if pre or post:
-            found = found or NodeHooks()
-            found.pre = pre or None
-            found.post = post or None
+            found = found or Found()
+            found.pre = list(pre.values()) if pre else ()
+            found.post = list(post.values()) if post else ()
     return found
 
 
-def none_on(nodes) -> bool:
-    """True if no recorded hook or retain_grad() applies to any of ``nodes``."""
-    if _tensor_pre or _node_dicts:
-        for node in nodes:
-            if node_hooks(node) is not None:
-                return False
-    if _retained:
-        ids = set(map(id, nodes))
-        for ref in list(_retained.values()):
-            tensor = ref()
-            if tensor is not None and tensor.retains_grad and id(tensor.grad_fn) in ids:
-                return False
-    return True
-
-
-def retained_in(index: dict) -> list:
-    """(node index, output_nr, tensor) for retain_grad() tensors whose node is in ``index``."""
-    found = []
+def retained_by_node(index: dict) -> dict:
+    """node index -> [(output_nr, tensor)] of the retain_grad() tensors whose grad_fn is
+    in ``index`` (id(node) -> node index)."""
+    found: dict = {}
+    if not _retained:
+        return found
     for ref in list(_retained.values()):
         tensor = ref()
         if tensor is None or not tensor.retains_grad:
@@ -205,5 +230,5 @@ def retained_in(index: dict) -> list:
         if node is not None:
             i = index.get(id(node))
             if i is not None:
-                found.append((i, tensor.output_nr, tensor))
+                found.setdefault(i, []).append((tensor.output_nr, tensor))
     return found

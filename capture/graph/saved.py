@@ -46,7 +46,13 @@ _substitution = _State()
 
 
 class SavedTensors:
-    """The saved tensors of one node, owned by gradfx (weak-referenceable)."""
+    """The saved tensors of one node, owned by gradfx (weak-referenceable).
+
+    Each saved variable gets ``tensors.append`` as its pack hook and
+    ``partial(_unpack, owner, index)`` as its unpack hook: C-level callables, so
+    registering them costs no Python frame (this runs for every saved tensor of
+    every backward).
+    """
 
     __slots__ = ("tensors", "released", "mask", "versions", "origin", "__weakref__")
 
@@ -68,15 +74,6 @@ class SavedTensors:
         for index, t in enumerate(self.tensors):
             if t._version != self.versions[index]:
                 raise RuntimeError(_modified_message(self, index, t))
-
-    def hooks(self):
-        """(pack, unpack) for the next saved variable.
-
-        Both are C-level callables (a bound ``list.append`` and a ``partial``), so
-        registering them costs no Python frame: this runs for every saved tensor
-        of every backward.
-        """
-        return self.tensors.append, partial(_unpack, self, len(self.tensors))
 
     def release(self) -> None:
         self.released = True
@@ -158,16 +155,18 @@ class ForeignHooks(Exception):
 
 
 def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
-    """Own the saved tensors of ``node``; return (SavedTensors, defined-mask).
+    """Own the saved tensors of ``node``: (SavedTensors, defined-mask, tensors).
 
     ``raw_attrs`` lists the node type's ``_raw_saved_*`` attributes (one
     SavedVariable or a tuple of them) and ``tensor_attrs`` the matching
-    ``_saved_*`` ones.  Undefined (None) saved tensors are ``False`` in the mask.
-    Raises eager's own RuntimeError if the saved tensors were freed or modified in
-    place, ForeignHooks if the user's saved-tensor hooks own them.
+    ``_saved_*`` ones.  Undefined (None) saved tensors are ``False`` in the mask;
+    ``tensors`` are the defined ones as the node unpacks them.  Raises eager's own
+    RuntimeError if the saved tensors were freed or modified in place,
+    ForeignHooks if the user's saved-tensor hooks own them.
     """
     owned = SavedTensors()
     mask = []
+    tensors = []
     grouped = False
     for raw_attr, attr in zip(raw_attrs, tensor_attrs):
         raw = getattr(node, raw_attr)
@@ -175,7 +174,7 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
         group = raw if type(raw) is tuple else (raw,)
         for var in group:
             if var.unpack_hook is not None:
-                return _adopt(node, var, attr, tensor_attrs)
+                return _adopt(node, var, attr, raw_attrs, tensor_attrs)
         # Unpacking without hooks runs eager's check that the tensor was not
         # modified in place since it was saved (and raises eager's error); once
         # hooks are registered the engine no longer checks.
@@ -187,15 +186,16 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
                 mask.append(False)
                 continue
             try:
-                var.register_hooks(*owned.hooks())
+                var.register_hooks(owned.tensors.append, partial(_unpack, owned, len(owned.tensors)))
             except RuntimeError:  # freed by the eager engine: eager's own error
                 raise RuntimeError(FREED_MESSAGE) from None
             mask.append(True)
+            tensors.append(value)
     owned.seal(tuple(mask), Origin.of(node, tensor_attrs, grouped))
-    return owned, owned.mask
+    return owned, owned.mask, tensors
 
 
-def _adopt(node, var, attr, tensor_attrs):
+def _adopt(node, var, attr, raw_attrs, tensor_attrs):
     """The saved variables already have hooks: an earlier gradfx run's, or the user's."""
     if not is_ours(var.unpack_hook):
         raise ForeignHooks(f"{node.name()} has saved tensors under saved_tensors_hooks")
@@ -210,7 +210,7 @@ def _adopt(node, var, attr, tensor_attrs):
     if owned.released:
         raise RuntimeError(FREED_MESSAGE)
     owned.check_versions()
-    return owned, owned.mask
+    return owned, owned.mask, list(owned.tensors)
 
 
 class substitute:

@@ -29,7 +29,8 @@ from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
 
 from .rules import RULES
-from ..graph.walk import TRACED, BackwardCall
+from ..graph.kinds import TRACED
+from ..graph.walk import BackwardCall
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def changed_positions(old, new, call: BackwardCall | None = None) -> set[int]:
 def baked_positions(call: BackwardCall) -> set[int]:
     """Sizes that a traced node's own C++ formula would read as constants (no rule)."""
     out = set()
-    for (i, attr), (start, layout) in call.value_slots.items():
+    for (i, attr), (start, layout) in call.value_slots():
         if call.kinds[i] is TRACED and type(call.nodes[i]).__name__ not in RULES:
             out.update(range(start, start + _count(layout)))
     return out

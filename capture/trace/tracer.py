@@ -38,7 +38,8 @@ from .ready_queue import ReadyQueue
 from .rules import RUN_REAL, apply_rule
 from .shapes import SymbolicSizes
 from ..graph.saved import substitute
-from ..graph.walk import ACCUMULATE, FUNCTION, OPAQUE, TRACED, BackwardCall
+from ..graph.kinds import ACCUMULATE, FUNCTION, OPAQUE, TRACED
+from ..graph.walk import BackwardCall
 
 log = logging.getLogger("gradfx")
 
@@ -65,7 +66,7 @@ class _SymbolicSaved:
 
     def __getattr__(self, name):
         attr = "_saved_" + name
-        slot = self._tracer.call.value_slots.get((self._i, attr))
+        slot = self._tracer.call.records[self._i].values.get(attr)
         if slot is not None:
             return self._tracer.symbolic.rebuild(*slot)
         return getattr(self._node, attr)  # tensors come back as fakes (substituted)
@@ -145,7 +146,8 @@ class _Tracer:
         m = self.call.nodes[i]._input_metadata[nr]
         if self.symbolic is None:
             return tuple(m.shape), m.dtype, m.device
-        start = self.call.meta_slots[(i, nr)]
+        start = self.call.records[i].meta_start + sum(
+            len(m.shape) for m in self.call.nodes[i]._input_metadata[:nr])
         return tuple(self.symbolic.values(start, len(m.shape))), m.dtype, m.device
 
     def proxy(self, x):
@@ -256,7 +258,7 @@ class _Tracer:
                 grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1]) if g is None else g
                          for k, g in enumerate(grads)]
             return runtime_ops.function_outputs(ctx, ctx.apply(*grads),
-                                                [e is not None for e in self.call.edges[i]])
+                                                [e is not None for e in self.call.records[i].edges])
         except Exception as err:
             self.undo(before, i, err)
             return None
@@ -278,7 +280,7 @@ class _Tracer:
         label = self.call.node_label(i)
         self.opaque.append(label)
         metas, like = [], []
-        for e in self.call.edges[i]:
+        for e in self.call.records[i].edges:
             if e is None:
                 metas.append(None)
                 like.append(None)
@@ -337,9 +339,10 @@ def _validate(t, node, outputs, edges):
 
 def _run_engine(t: _Tracer, grads):
     call = t.call
-    nodes, edges, seq, kinds = call.nodes, call.edges, call.seq, call.kinds
-    deps = list(call.deps)
-    needed = call.needed
+    nodes, seq, kinds, records = call.nodes, call.seq, call.kinds, call.records
+    edges = [r.edges for r in records]
+    deps = [r.deps for r in records]
+    needed = None if call.outputs is None else [r.runs for r in records]
     should_run = None
     if needed is not None:
         should_run = [needed[i] or i in call.captures for i in range(len(nodes))]
@@ -404,9 +407,9 @@ def _run_one(t, i, buffers, hooks, needed, kinds, nodes, edges, captured, delive
     node = nodes[i]
     if kind is ACCUMULATE:
         if inputs[0] is not None and node.variable.requires_grad:
-            t.accumulate(i, inputs[0], call.node_input[i])
+            t.accumulate(i, inputs[0], call.records[i].node_input)
             if spec is not None and spec.post_accumulate:
-                t.post_accumulate_hooks(i, spec, call.node_input[i])
+                t.post_accumulate_hooks(i, spec, call.records[i].node_input)
         if spec is not None and spec.post:
             t.post_hooks(i, spec, [], inputs)
         return
@@ -418,7 +421,7 @@ def _run_one(t, i, buffers, hooks, needed, kinds, nodes, edges, captured, delive
     if outputs is None and kind is not OPAQUE:
         kinds[i] = OPAQUE
     if outputs is None:
-        outputs = t.run_opaque(i, node, inputs, call.node_input[i])
+        outputs = t.run_opaque(i, node, inputs, call.records[i].node_input)
     else:
         outputs = _validate(t, node, outputs, edges[i])
     if spec is not None and spec.post:

@@ -122,8 +122,8 @@ def apply(graph: fx.Graph, call, names: Names | None, grad_inputs=()) -> None:
         owner = call.input_owner[pos]
         if owner < 0:  # a root gradient
             node.meta["gradfx_next"] = (call.roots[pos][0],)
-        elif kind in ("node", "variable") and call.node_input.get(owner) == pos:
-            node.meta["gradfx_next"] = tuple(e[0] for e in call.edges[owner] if e is not None)
+        elif kind in ("node", "variable") and call.records[owner].node_input == pos:
+            node.meta["gradfx_next"] = tuple(e[0] for e in call.records[owner].edges if e is not None)
         if kind == "variable":
             node.meta["gradfx_shape"] = tuple(value.shape)
             node.meta["gradfx_dtype"] = value.dtype

@@ -20,12 +20,12 @@ def describe_position(call: BackwardCall, pos: int) -> str:
             return f"{_input_name(call, input_pos)} dim {pos - start}"
         if stride_start >= 0 and stride_start <= pos < stride_start + ndim:
             return f"{_input_name(call, input_pos)} stride {pos - stride_start}"
-    for (i, nr), start in call.meta_slots.items():
+    for (i, nr), start in call.meta_slots():
         ndim = len(call.nodes[i]._input_metadata[nr].shape)
         if start <= pos < start + ndim:
             return f"gradient {nr} of {call.node_label(i)} dim {pos - start}"
     best = None  # the saved value starting last at or before `pos`
-    for (i, attr), (start, _) in call.value_slots.items():
+    for (i, attr), (start, _) in call.value_slots():
         if start <= pos and (best is None or start > best[2]):
             best = (i, attr, start)
     if best is not None:

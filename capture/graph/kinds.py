@@ -1,0 +1,495 @@
+"""One specification per autograd node kind, behind both walks.
+
+Each kind (a leaf's AccumulateGrad, a builtin node gradfx traces, a custom
+Function) says in one place what a node of that kind contributes to a backward
+call: its part of the structure key, its sizes, its runtime inputs (saved
+tensors, the node or leaf object, hook callables) and its hooks.  It says it
+twice, side by side, in the same order:
+
+* ``walk``: read the live node and record (the generic walk, which discovers a
+  new structure and builds its key);
+* ``check`` / ``take`` / ``inputs``: emit straight-line code that checks a live
+  node against what was recorded and collects the same sizes and inputs (the
+  cache-hit walker of ``fast_walk``: checks first, take-over after every check
+  passed).
+
+Hooks are the same for every kind (``walk_hooks`` / ``emit_hooks``): tensor
+pre-hooks, retains-grad hooks, node pre- and post-hooks, post-accumulate-grad
+hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+from . import hooks
+from .saved import ForeignHooks, Origin, take_saved
+
+TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
+
+# Saved values whose names say they hold sizes: these may become symbolic.
+_SIZE_WORDS = ("sizes", "strides", "numel", "argsize", "split_size")
+
+
+@dataclass(frozen=True)
+class TypeInfo:
+    """What gradfx needs to know about an autograd node type."""
+
+    kind: str
+    raw_saved: tuple[str, ...]  # `_raw_saved_x` attributes (SavedVariables)
+    saved_tensors: tuple[str, ...]  # the matching `_saved_x` attributes
+    saved_values: tuple[str, ...]  # other `_saved_x`: ints, floats, sizes, ...
+    size_values: frozenset  # those of saved_values that hold sizes, strides or numels
+
+
+_type_info: dict[type, TypeInfo] = {}
+
+
+def type_info(node_type: type) -> TypeInfo:
+    info = _type_info.get(node_type)
+    if info is None:
+        names = dir(node_type)
+        raw = tuple(n for n in names if n.startswith("_raw_saved_"))
+        tensors = tuple("_saved_" + n[len("_raw_saved_"):] for n in raw)
+        values = tuple(n for n in names if n.startswith("_saved_") and n not in tensors)
+        if node_type.__name__ == "AccumulateGrad":
+            kind = ACCUMULATE
+        elif issubclass(node_type, BackwardCFunction):
+            # A custom autograd.Function: its saved tensors are ctx.saved_tensors.
+            kind, raw, tensors, values = FUNCTION, ("_raw_saved_tensors",), ("saved_tensors",), ()
+        else:
+            kind = TRACED
+        sized = frozenset(v for v in values if any(w in v for w in _SIZE_WORDS))
+        info = _type_info[node_type] = TypeInfo(kind, raw, tensors, values, sized)
+    return info
+
+
+def is_traceable(function_node_type: type) -> bool:
+    """Is this custom Function's backward traced into the graph (see gradfx.traceable)?"""
+    return bool(getattr(function_node_type._forward_cls, "_gradfx_traceable", False))
+
+
+def function_materializes(ctx) -> bool:
+    # ctx.materialize_grads cannot be read back from Python; set_materialize_grads
+    # is wrapped (capture.trace.functions.install) to leave a readable copy.
+    return ctx.__dict__.get("_gradfx_materialize_grads", True)
+
+
+def ctx_key(ctx) -> tuple:
+    items = []
+    for name, value in sorted(ctx.__dict__.items()):
+        if isinstance(value, torch.Tensor):
+            items.append((name, "tensor") + tensor_meta(value))
+        else:
+            items.append((name, value_key(value)))
+    return tuple(items)
+
+
+def tensor_meta(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.shape, t.stride(), t.device, t.layout)
+
+
+def value_key(v):
+    """Key for a saved non-tensor value.
+
+    Each attribute of a node type has one C++ type, so tuples (sizes, dims) are
+    used as they are; a lone scalar may be an int, a float or a bool, which compare
+    equal but trace differently, so its type is part of the key (floats by repr,
+    which also makes NaN equal to itself).
+    """
+    tv = type(v)
+    if tv is tuple or v is None:
+        return v
+    if tv is float:
+        return repr(v)
+    if isinstance(v, torch.Tensor):
+        return ("tensor",) + tensor_meta(v)
+    try:
+        hash(v)
+        return (tv, v)
+    except TypeError:
+        return (tv, repr(v))
+
+
+def flatten_sizes(value, out: list):
+    """Append the ints of a size value (int, tuple of ints, list of tuples) to ``out``;
+    return its layout (None for an int, else the nested lengths) for the key."""
+    if value is None:
+        return "none"
+    if isinstance(value, (tuple, list)):
+        return tuple(flatten_sizes(v, out) for v in value)
+    out.append(value)
+    return None
+
+
+@dataclass
+class HookSpec:
+    """Hooks of one node, as positions of their callables in the runtime inputs.
+
+    Eager's order: tensor pre-hooks (per hooked output, in registration order),
+    retains-grad hooks, pre-hooks, the node, post-hooks; for a leaf, the
+    accumulation and then its post-accumulate-grad hooks.
+    """
+
+    tensor_pre: list = field(default_factory=list)  # (output_nr, [input positions])
+    retain: list = field(default_factory=list)  # (output_nr, input position of the tensor)
+    pre: list = field(default_factory=list)
+    post: list = field(default_factory=list)
+    post_accumulate: list = field(default_factory=list)
+
+    def key(self) -> tuple:
+        return (tuple((nr, len(p)) for nr, p in self.tensor_pre), tuple(nr for nr, _ in self.retain),
+                len(self.pre), len(self.post), len(self.post_accumulate))
+
+
+@dataclass
+class NodeRecord:
+    """What the walk learned of one node that holds for every backward of its structure."""
+
+    kind: str  # as walked: ACCUMULATE, TRACED, FUNCTION, or OPAQUE (saved tensors under the user's hooks)
+    edges: tuple  # per next edge: (child index, input_nr) or None
+    deps: int  # incoming edges
+    runs: bool  # eager's exec_info: does the node run (autograd.grad / inputs= skip some)
+    node_input: int | None = None  # input position of its node object (leaf tensor for an accumulator)
+    hooks: HookSpec | None = None
+    meta_start: int | None = None  # where its input metadata's shapes start in the sizes
+    values: dict = field(default_factory=dict)  # saved size attribute -> (start in sizes, layout)
+    saved: tuple = ()  # input positions of its saved tensors
+
+
+class Walk:
+    """What the generic walk accumulates: key, sizes and inputs, in the order walked."""
+
+    def __init__(self, grads, retained):
+        self.key: list = []
+        self.sizes: list = []
+        self.inputs: list = list(grads)
+        self.input_kinds: list = ["grad"] * len(grads)
+        self.input_owner: list = [-1] * len(grads)
+        self.tensor_slots: dict = {}  # input position -> (shape start, ndim, stride start or -1)
+        self.owned: dict = {}  # node index -> SavedTensors
+        self.retained = retained  # node index -> [(output_nr, tensor)] for retain_grad()
+        self.hooks_active = hooks.active()
+
+    def add_input(self, value, kind: str, owner: int) -> int:
+        self.inputs.append(value)
+        self.input_kinds.append(kind)
+        self.input_owner.append(owner)
+        return len(self.inputs) - 1
+
+    def tensor(self, t, pos):
+        """A tensor's structure for the key; its sizes (and strides unless contiguous)
+        go to the sizes, so that they can be guarded or made symbolic."""
+        sizes = self.sizes
+        start = len(sizes)
+        sizes.extend(t.shape)
+        if t.layout is not torch.strided:
+            from ..errors import _Fallback
+            raise _Fallback(f"a {t.layout} tensor among the saved tensors, leaves or gradients")
+        if t.is_contiguous():
+            stride_start = -1
+        else:
+            stride_start = len(sizes)
+            sizes.extend(t.stride())
+        if pos is not None:
+            self.tensor_slots[pos] = (start, t.dim(), stride_start)
+        return (t.dtype, t.device, t.layout, t.dim(), stride_start < 0)
+
+
+# -- the pieces every kind is made of: walk and code side by side -------------------
+
+def walk_metas(w: Walk, rec: NodeRecord, node) -> None:
+    """The node's input metadata: shapes to the sizes, (ndim, dtype, device) to the key."""
+    rec.meta_start = len(w.sizes)
+    out = []
+    for meta in node._input_metadata:
+        shape = meta.shape
+        w.sizes.extend(shape)
+        out.append((len(shape), meta.dtype, meta.device))
+    w.key.append(tuple(out))
+
+
+def emit_metas(src, var: str, node) -> None:
+    metas = node._input_metadata
+    src.emit(f"m = {var}._input_metadata")
+    src.bail_unless(f"len(m) == {len(metas)}")
+    for k, meta in enumerate(metas):
+        src.emit(f"mk = m[{k}]")
+        src.emit("sh = mk.shape")
+        src.bail_unless(f"len(sh) == {len(meta.shape)} and mk.dtype is {src.const(meta.dtype)} "
+                        f"and mk.device == {src.const(meta.device)}")
+        src.emit("sizes += sh")
+
+
+def walk_values(w: Walk, rec: NodeRecord, node, info: TypeInfo) -> None:
+    """Saved non-tensor values: sizes to the sizes (layout to the key), the rest to the key."""
+    for attr in info.saved_values:
+        value = getattr(node, attr)
+        if attr in info.size_values:
+            start = len(w.sizes)
+            layout = flatten_sizes(value, w.sizes)
+            rec.values[attr] = (start, layout)
+            w.key.append(layout)
+        else:
+            w.key.append(value_key(value))
+
+
+def emit_values(src, var: str, node, info: TypeInfo) -> None:
+    for attr in info.saved_values:
+        value = getattr(node, attr)
+        src.emit(f"x = {var}.{attr}")
+        if attr in info.size_values:
+            layout = flatten_sizes(value, [])
+            if layout is None:  # one int
+                src.bail_unless("type(x) is int")
+                src.emit("sizes.append(x)")
+            elif isinstance(layout, tuple) and all(e is None for e in layout):  # flat sizes
+                src.bail_unless(f"type(x) is tuple and len(x) == {len(layout)}")
+                src.emit("sizes += x")
+            else:
+                src.bail_unless(f"flatten(x, sizes) == {src.const(layout)}")
+            continue
+        tv = type(value)
+        if value is None:
+            src.bail_unless("x is None")
+        elif tv in (int, bool, tuple) or (tv is float and value == value):
+            # Same type and equal: what value_key would compare, without its call.
+            src.bail_unless(f"type(x) is {tv.__name__} and x == {src.const(value)}")
+        else:
+            src.bail_unless(f"value_key(x) == {src.const(value_key(value))}")
+
+
+def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> bool:
+    """Take the node's saved tensors over as inputs; False if the user's hooks own them."""
+    try:
+        owned, mask, values = take_saved(node, info.raw_saved, info.saved_tensors)
+    except ForeignHooks:
+        w.key.append(OPAQUE)
+        return False
+    w.owned[i] = owned
+    w.key.append(mask)
+    positions = []
+    for t in values:
+        pos = w.add_input(t, "saved", i)
+        positions.append(pos)
+        w.key.append(w.tensor(t, pos))
+    rec.saved = tuple(positions)
+    return True
+
+
+def emit_saved_check(src, i: int, node, info: TypeInfo, call) -> None:
+    """Pass 1: read the saved tensors (eager's in-place check runs), check and size them."""
+    rec = call.records[i]
+    mask = call.owned[i].mask
+    k = 0
+    m = 0
+    for slot, (raw, attr) in enumerate(zip(info.raw_saved, info.saved_tensors)):
+        group = getattr(node, raw)
+        if type(group) is tuple:
+            src.emit(f"r{i}_{slot} = n{i}.{raw}")
+            src.bail_unless(f"type(r{i}_{slot}) is tuple and len(r{i}_{slot}) == {len(group)} "
+                            f"and not any_hooked(r{i}_{slot})")
+            src.emit(f"g{i}_{slot} = n{i}.{attr}")
+            for j in range(len(group)):
+                var = f"x{i}_{slot}_{j}"
+                src.emit(f"{var} = g{i}_{slot}[{j}]")
+                k, m = _emit_saved_value(src, var, mask, m, i, call, k)
+            continue
+        src.emit(f"r{i}_{slot} = n{i}.{raw}")
+        src.bail_unless(f"r{i}_{slot}.unpack_hook is None")  # ours from a retained run, or the user's
+        var = f"x{i}_{slot}"
+        src.emit(f"{var} = n{i}.{attr}")
+        k, m = _emit_saved_value(src, var, mask, m, i, call, k)
+
+
+def _emit_saved_value(src, var, mask, m, i, call, k):
+    if not mask[m]:
+        src.bail_unless(f"{var} is None")
+        return k, m + 1
+    pos = call.records[i].saved[k]
+    emit_tensor(src, var, call, pos, call.inputs[pos])
+    src.saved_names.setdefault(i, []).append(var)
+    return k + 1, m + 1
+
+
+def emit_saved_take(src, i: int, node, info: TypeInfo, call) -> None:
+    """Pass 2 (every check passed): take the saved variables over."""
+    mask = call.owned[i].mask
+    origin = Origin.of(node, info.saved_tensors, any(type(getattr(node, r)) is tuple for r in info.raw_saved))
+    src.emit("o = SavedTensors()")
+    m = 0
+    for slot, raw in enumerate(info.raw_saved):
+        group = getattr(node, raw)
+        for j in range(len(group) if type(group) is tuple else 1):
+            if mask[m]:
+                var = f"r{i}_{slot}[{j}]" if type(group) is tuple else f"r{i}_{slot}"
+                src.emit(f"{var}.register_hooks(o.tensors.append, partial(unpack, o, {sum(mask[:m])}))")
+            m += 1
+    src.emit(f"o.seal({src.const(mask)}, {src.const(origin)})")
+    src.emit(f"owned[{i}] = o")
+
+
+def _device_check(src, var: str, device) -> str:
+    return f"{var}.is_cpu" if device.type == "cpu" else f"{var}.device == {src.const(device)}"
+
+
+def emit_tensor(src, var: str, call, pos: int, t) -> None:
+    """Check a tensor's structure and append its sizes as ``Walk.tensor`` does."""
+    start, ndim, stride_start = call.tensor_slots[pos]
+    contiguous = "" if stride_start < 0 else "not "
+    src.emit(f"sh = {var}.shape")
+    src.bail_unless(f"len(sh) == {ndim} and {var}.dtype is {src.const(t.dtype)} and "
+                    f"{var}.layout is {src.const(t.layout)} and {_device_check(src, var, t.device)} "
+                    f"and {contiguous}{var}.is_contiguous()")
+    src.emit("sizes += sh")
+    if stride_start >= 0:
+        src.emit(f"sizes += {var}.stride()")
+
+
+# -- hooks ------------------------------------------------------------------------
+
+def walk_hooks(w: Walk, rec: NodeRecord, i: int, node, var=None) -> None:
+    """The node's hooks, in eager's order, as inputs; their shape to the key."""
+    found = hooks.collect(node, var, w.retained.get(i, ()), w.hooks_active)
+    if found is None:
+        return
+    spec = HookSpec()
+    for nr, callables in found.tensor_pre:
+        spec.tensor_pre.append((nr, [w.add_input(h, "hook", i) for h in callables]))
+    for nr, tensor in found.retain:
+        spec.retain.append((nr, w.add_input(tensor, "retained", i)))
+    spec.pre = [w.add_input(h, "hook", i) for h in found.pre]
+    spec.post = [w.add_input(h, "hook", i) for h in found.post]
+    spec.post_accumulate = [w.add_input(h, "hook", i) for h in found.post_accumulate]
+    rec.hooks = spec
+    w.key.append(spec.key())
+
+
+def emit_hooks(src, i: int, rec: NodeRecord, var: str | None) -> str | None:
+    """Code that collects the node's hook inputs (a list variable) or checks it has none."""
+    expected = rec.hooks.key() if rec.hooks is not None else None
+    leaf = var if var is not None else "None"
+    call = f"collect(n{i}, {leaf}, retained.get({i}, ()), active)"
+    if expected is None:
+        # The common case stays cheap: no hook anywhere, a leaf without tensor hooks.
+        quiet = "not active" if var is None else (f"(not active and {var}._backward_hooks is None "
+                                                  f"and {var}._post_accumulate_grad_hooks is None)")
+        src.bail_unless(f"{quiet} or {call} is None")
+        return None
+    src.emit(f"h = {call}")
+    src.bail_unless(f"h is not None and h.key() == {src.const(expected)}")
+    src.emit(f"h{i} = h.inputs()")
+    return f"h{i}"
+
+
+# -- the kinds ----------------------------------------------------------------------
+
+class AccumulateKind:
+    """A leaf's AccumulateGrad: the leaf (its sizes, whether it requires grad) and its hooks."""
+
+    name = ACCUMULATE
+
+    def walk(self, w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> str:
+        var = node.variable
+        # An accumulator's one input has the leaf's shape and dtype: its metadata is
+        # the leaf's own, so the leaf's sizes serve as the metadata's.
+        rec.meta_start = len(w.sizes)
+        w.key.append((w.tensor(var, None), var.requires_grad))
+        rec.node_input = w.add_input(var, "variable", i)
+        walk_hooks(w, rec, i, node, var)
+        return ACCUMULATE
+
+    def check(self, src, i, node, info, call) -> None:
+        v = node.variable
+        src.emit(f"v{i} = n{i}.variable")
+        src.bail_unless(f"v{i}.requires_grad is {v.requires_grad}")
+        src.emit(f"sh = v{i}.shape")
+        src.bail_unless(f"len(sh) == {v.dim()} and v{i}.dtype is {src.const(v.dtype)} "
+                        f"and v{i}.layout is {src.const(v.layout)} and {_device_check(src, f'v{i}', v.device)} "
+                        f"and v{i}.is_contiguous() is {v.is_contiguous()}")
+        src.emit("sizes += sh")
+        if not v.is_contiguous():
+            src.emit(f"sizes += v{i}.stride()")
+        src.hook_lists[i] = emit_hooks(src, i, call.records[i], f"v{i}")
+
+    def take(self, src, i, node, info, call) -> None:
+        pass
+
+    def inputs(self, src, i, call) -> list:
+        return [f"v{i}"]
+
+
+class TracedKind:
+    """A builtin node: its metadata, saved values and tensors, the node itself, hooks."""
+
+    name = TRACED
+
+    def walk(self, w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> str:
+        walk_metas(w, rec, node)
+        walk_values(w, rec, node, info)
+        kind = TRACED
+        if info.raw_saved and not walk_saved(w, rec, i, node, info):
+            kind = OPAQUE
+        # The node itself is an input too: it runs opaquely if it cannot be traced on
+        # fake tensors (and a placeholder nobody uses costs nothing).
+        rec.node_input = w.add_input(node, "node", i)
+        walk_hooks(w, rec, i, node)
+        return kind
+
+    def check(self, src, i, node, info, call) -> None:
+        emit_metas(src, f"n{i}", node)
+        emit_values(src, f"n{i}", node, info)
+        if info.raw_saved:
+            emit_saved_check(src, i, node, info, call)
+        src.hook_lists[i] = emit_hooks(src, i, call.records[i], None)
+
+    def take(self, src, i, node, info, call) -> None:
+        if info.raw_saved:
+            emit_saved_take(src, i, node, info, call)
+
+    def inputs(self, src, i, call) -> list:
+        return src.saved_names.get(i, []) + [f"n{i}"]
+
+
+class FunctionKind:
+    """A custom autograd.Function's node: needs_input_grad, materialization, metadata,
+    ctx attributes when its backward is traced, ctx.saved_tensors, the ctx, hooks."""
+
+    name = FUNCTION
+
+    def walk(self, w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> str:
+        traceable = is_traceable(type(node))
+        w.key.append((node.needs_input_grad, function_materializes(node), traceable))
+        walk_metas(w, rec, node)
+        if traceable:  # ctx attributes are baked into the traced formula
+            w.key.append(ctx_key(node))
+        owned = walk_saved(w, rec, i, node, info)
+        rec.node_input = w.add_input(node, "node", i)
+        walk_hooks(w, rec, i, node)
+        return FUNCTION if owned and traceable else OPAQUE
+
+    def check(self, src, i, node, info, call) -> None:
+        src.bail_unless(f"n{i}.needs_input_grad == {src.const(node.needs_input_grad)} "
+                        f"and materializes(n{i}) is {function_materializes(node)}")
+        emit_metas(src, f"n{i}", node)
+        if is_traceable(type(node)):
+            src.bail_unless(f"ctx_key(n{i}) == {src.const(ctx_key(node))}")
+        emit_saved_check(src, i, node, info, call)
+        src.hook_lists[i] = emit_hooks(src, i, call.records[i], None)
+
+    take = TracedKind.take
+
+    def inputs(self, src, i, call) -> list:
+        return src.saved_names.get(i, []) + [f"n{i}"]
+
+
+KINDS = {ACCUMULATE: AccumulateKind(), TRACED: TracedKind(), FUNCTION: FunctionKind()}
+
+
+def kind_of(node) -> tuple:
+    """(the node type's spec, its TypeInfo)."""
+    info = _type_info.get(type(node)) or type_info(type(node))
+    return KINDS[info.kind], info
