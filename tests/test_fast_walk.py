@@ -7,6 +7,7 @@ import torch.nn as nn
 import gradfx
 from gradfx.capture.graph import fast_walk
 from gradfx.capture.graph.walk import walk_backward
+from helpers import run_both, snap
 
 
 @pytest.fixture(autouse=True)
@@ -93,3 +94,68 @@ def test_hits_use_the_walker_and_stay_bitwise():
     assert len(calls) == 2
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class _Taken:
+    """Counts the backwards the generated walker took (instantiate is its last step)."""
+
+    def __enter__(self):
+        self.count = 0
+        self.original = fast_walk.instantiate
+
+        def counting(*args):
+            self.count += 1
+            return self.original(*args)
+        fast_walk.instantiate = counting
+        return self
+
+    def __exit__(self, *exc):
+        fast_walk.instantiate = self.original
+
+
+def _scenario(name, log):
+    """(parameters, step) for graphs the walker now takes: hooks of every kind, several
+    roots, autograd.grad(inputs=), backward(inputs=); hooks change between steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    params = list(model.parameters())
+    step_no = [0]
+    if name == "module_hooks":
+        model[2].register_full_backward_hook(lambda m, gi, go: log.append(("full", snap(gi), snap(go))))
+        model[0].register_full_backward_pre_hook(lambda m, go: log.append(("pre", snap(go))))
+
+    def step():
+        k = step_no[0]
+        step_no[0] += 1
+        x = torch.randn(3, 6, requires_grad=name == "grad_inputs")
+        h = model[1](model[0](x))
+        if name == "tensor_hooks":
+            h.register_hook(lambda g: log.append(("h", snap(g))))
+            if k % 2:  # toggled between steps: a new structure, then back
+                h.retain_grad()
+        if name == "node_hooks":
+            h.grad_fn.register_prehook(lambda go: log.append(("node pre", snap(go))))
+            h.grad_fn.next_functions[0][0].register_hook(lambda gi, go: log.append(("node post", snap(gi))))
+        out = model[2](h)
+        if name == "several_roots":
+            torch.autograd.backward([out.sum(), h.square().sum()])
+        elif name == "grad_inputs":
+            grads = torch.autograd.grad(out.sum(), [x, params[0]])
+            log.append(("grads", snap(grads)))
+        elif name == "backward_inputs":
+            out.sum().backward(inputs=[params[0], params[3]])
+        else:
+            out.sum().backward()
+        if name == "tensor_hooks" and k % 2:
+            log.append(("retained", snap(h.grad)))
+    return params, step
+
+
+@pytest.mark.parametrize("name", ["module_hooks", "tensor_hooks", "node_hooks", "several_roots", "grad_inputs",
+                                  "backward_inputs"])
+def test_walker_taken_on_every_kind_of_graph(name):
+    with _Taken() as taken:
+        run_both(lambda log: _scenario(name, log), iterations=5,
+                 expect_captures=2 if name == "tensor_hooks" else 1, strict=True)
+    # Every cache hit went through the generated walker (3 steps of 4 for toggled hooks).
+    assert taken.count == (3 if name == "tensor_hooks" else 4)
