@@ -273,16 +273,13 @@ def test_queue_callback_runs_after_all_nodes():
     run_both(build)
 
 
-def test_create_graph_falls_back_and_strict_raises():
+def test_create_graph_is_captured_in_strict_mode():
     x = torch.randn(3, requires_grad=True)
-    with pytest.warns(gradfx.FallbackWarning, match="create_graph"):
-        with gradfx.compiled_autograd():
-            (g,) = torch.autograd.grad((x ** 3).sum(), x, create_graph=True)
+    with gradfx.compiled_autograd(strict=True) as s:
+        (g,) = torch.autograd.grad((x ** 3).sum(), x, create_graph=True)
     (h,) = torch.autograd.grad(g.sum(), x)
-    assert torch.equal(h, 6 * x.detach())
-    with gradfx.compiled_autograd(strict=True):
-        with pytest.raises(gradfx.Unsupported, match="create_graph"):
-            torch.autograd.grad((x ** 3).sum(), x, create_graph=True)
+    assert s.stats["captures"] == 1 and g.requires_grad
+    assert torch.equal(h, torch.autograd.grad(torch.autograd.grad((x ** 3).sum(), x, create_graph=True)[0].sum(), x)[0])
 
 
 def test_mixed_model_function_compiled_submodule_checkpoint():

@@ -210,7 +210,13 @@ def _adopt(node, var, attr, raw_attrs, tensor_attrs):
     if owned.released:
         raise RuntimeError(FREED_MESSAGE)
     owned.check_versions()
-    return owned, owned.mask, list(owned.tensors)
+    # As the node unpacks them (through gradfx's hook): with their autograd history,
+    # which a create_graph backward's graph needs.
+    tensors = []
+    for attr in tensor_attrs:
+        values = getattr(node, attr)
+        tensors += [v for v in (values if type(values) is tuple else (values,)) if v is not None]
+    return owned, owned.mask, tensors
 
 
 class substitute:

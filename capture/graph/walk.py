@@ -75,6 +75,7 @@ class BackwardCall:
     owned: list  # per node: SavedTensors or None
     inputs: list  # runtime inputs, in graph-placeholder order
     sizes: list  # every size-like int (shapes, non-contiguous strides, saved sizes)
+    create_graph: bool = False  # the graph records its own autograd history (double backward)
 
     def __post_init__(self):
         # Tracing may turn a node opaque; the records keep the kind as walked (for a retry).
@@ -178,7 +179,7 @@ def find_outputs(inputs, index, accumulate: bool):
     return outputs, captures
 
 
-def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
+def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool = False) -> BackwardCall:
     """Discover the graph of one backward call and collect its runtime inputs."""
     nodes, index, roots, edges, deps = discover(tensors)
     outputs, captures, needed = None, {}, None
@@ -200,7 +201,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
             raise _Fallback(reason)
 
     w = Walk(grads, hooks.retained_by_node(index) if hooks.active() else {})
-    w.key += [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate]
+    w.key += [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate, create_graph]
     for k, g in enumerate(grads):
         w.key.append(w.tensor(g, k))
     records = []
@@ -217,7 +218,8 @@ def walk_backward(tensors, grads, inputs, accumulate: bool) -> BackwardCall:
             walk_hooks(w, rec, i, node, node.variable if info.kind is ACCUMULATE else None)
     owned = [w.owned.get(i) for i in range(n)]
     return BackwardCall(records, roots, outputs, accumulate, captures, w.input_kinds, w.input_owner,
-                        w.tensor_slots, StructureKey(tuple(w.key)), nodes, seq, owned, w.inputs, w.sizes)
+                        w.tensor_slots, StructureKey(tuple(w.key)), nodes, seq, owned, w.inputs, w.sizes,
+                        create_graph)
 
 
 def _exec_info(edges, outputs, accumulate):

@@ -99,6 +99,24 @@ def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_st
         old += grad
 
 
+def accumulate_grad_create_graph(variable: torch.Tensor, grad: torch.Tensor) -> None:
+    """AccumulateGrad under grad mode (create_graph): never steals, never in place.
+
+    The first gradient is copied into the parameter's layout (``.grad`` gets the
+    copy's history); later ones are added out of place, so ``.grad`` is a new
+    tensor each time and the old one is left as it was.
+    """
+    if grad is None or not variable.requires_grad:
+        return
+    old = variable.grad
+    if old is None:
+        variable.grad = grad.clone() if grad.is_sparse else _clone_obey_contract(grad, variable)
+    elif old.is_sparse and not grad.is_sparse:
+        variable.grad = grad + old
+    else:
+        variable.grad = old + grad
+
+
 def _sparse_first_grad(grad: torch.Tensor, unshared: bool) -> torch.Tensor:
     # A sparse tensor cannot be detached; eager shares its indices and values in a
     # new sparse tensor when nothing else holds it, else clones it.

@@ -10,6 +10,7 @@ captured runs on the eager engine instead, with one warning per block and reason
 from __future__ import annotations
 
 import contextlib
+import sys
 import logging
 import threading
 import time
@@ -108,6 +109,8 @@ class Session:
         # backend failed is marked (CompiledBackward.failed).
         self._config_key = Key((callable_key(self.backend_fn),
                                 tuple(callable_key(fn) for _, fn in self.passes), dynamic))
+        # create_graph backwards trace and run differently (grad mode on): their own graphs.
+        self._config_key_with_history = Key((self._config_key, "create_graph"))
 
     # -- context manager -----------------------------------------------------
     def __enter__(self) -> "Session":
@@ -130,8 +133,6 @@ class Session:
             # words.  Nothing ran, so nothing is counted and nothing is warned.
             return engine.run_backward(*args)
         try:
-            if create_graph:
-                raise _Fallback("create_graph=True (double backward)")
             if torch.is_anomaly_enabled():
                 raise _Fallback("anomaly detection is enabled")
             for t in tuple(tensors) + tuple(inputs or ()):
@@ -141,10 +142,13 @@ class Session:
                     raise _Fallback(f"a tensor subclass ({type(t).__name__})")
             if any(g is None for g in grad_tensors):
                 raise _Fallback("a root without a gradient")  # eager raises the error
-            call, structure = self._fast_walk(tensors, grad_tensors, inputs)
+            if create_graph and accumulate_grad:
+                _warn_like_eager_once(engine)
+            config = self._config_key if not create_graph else self._config_key_with_history
+            call, structure = self._fast_walk(tensors, grad_tensors, inputs, config)
             if call is None:
-                call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad)
-                structure = (call.key, self._config_key)
+                call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph)
+                structure = (call.key, config)
             entry = cache.lookup(structure, call.sizes)
             if entry is None:
                 entry = self._capture(call, structure, tensors, () if accumulate_grad else inputs)
@@ -166,10 +170,10 @@ class Session:
             return results
         return ()
 
-    def _fast_walk(self, tensors, grads, inputs):
+    def _fast_walk(self, tensors, grads, inputs, config):
         """The generated walker of a known structure, if one accepts this graph."""
         fn = tensors[0].grad_fn
-        for walker in fast_walk.walkers.candidates(type(fn), self._config_key):
+        for walker in fast_walk.walkers.candidates(type(fn), config):
             try:
                 found = walker(tensors, grads, inputs)
             except ForeignHooks:  # saved tensors now under the user's hooks
@@ -199,7 +203,8 @@ class Session:
         else:
             explain.log_structure_miss(call)
         made = pipeline.capture_call(call, self._dynamic_positions(call, structure), self.passes,
-                                     names=self.names, grad_inputs=grad_inputs, compile=self._compile)
+                                     names=self.names, grad_inputs=grad_inputs,
+                                     compile=self._compile_with_history if call.create_graph else self._compile)
         captured, guard = made.graph, made.guard
         compiled, failed = made.compiled
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
@@ -217,7 +222,8 @@ class Session:
 
     def _add_fast_walker(self, call, structure, tensors) -> None:
         root_type = type(call.nodes[0])
-        if any(w.structure == structure for w in fast_walk.walkers.candidates(root_type, self._config_key)):
+        config = structure[1]
+        if any(w.structure == structure for w in fast_walk.walkers.candidates(root_type, config)):
             return  # a recapture of a known structure (new sizes): its walker still fits
         try:
             walker = fast_walk.generate(call, tensors, structure)
@@ -225,7 +231,7 @@ class Session:
             log.debug("gradfx: no fast walker", exc_info=True)
             return
         if walker is not None:
-            fast_walk.walkers.add(root_type, self._config_key, walker)
+            fast_walk.walkers.add(root_type, config, walker)
 
     def _dynamic_positions(self, call: BackwardCall, structure) -> set:
         if self.dynamic is False:
@@ -263,6 +269,20 @@ class Session:
                 len(gm.graph.nodes), seconds)
         return compiled, failed
 
+    def _compile_with_history(self, gm: fx.GraphModule, example_inputs: list):
+        """A create_graph graph runs on the eager backend, whatever the block's backend.
+
+        Its gradients must carry autograd history for a further backward: compilers
+        build inference code (the built-in inductor and aot_eager), and AOTAutograd's
+        training path would hide the history behind one node that has no backward of
+        its own (a third order fails).
+        """
+        self._count("compiles")
+        if self.backend_fn is not backends.builtin.eager:
+            log.info("gradfx: a create_graph backward runs on the eager backend (backend %s builds code "
+                     "without autograd history)", self.backend_name)
+        return backends.compile_with(backends.builtin.eager, gm, example_inputs), None
+
     def _backend_failed(self, reason: str, err) -> None:
         """Strict: raise Unsupported.  Otherwise warn (once per block) that the eager
         backend stands in."""
@@ -290,7 +310,8 @@ class Session:
                     saved.release()
         task = hook_ops.graph_task(call.executed_ids, keep_graph) if entry.runs_python else contextlib.nullcontext()
         try:
-            with torch.no_grad(), task, routing.running_backward():
+            # The engine's grad mode for a backward: on only when it records history.
+            with torch.set_grad_enabled(call.create_graph), task, routing.running_backward():
                 try:
                     out = _call_entry(entry, inputs)
                 except backends.CompileFailedAtRun as failed:  # nothing ran: use the eager backend
@@ -392,6 +413,35 @@ def _check_outputs(results, specs: list, inputs, backend: str) -> None:
             expected = [("?" if s is None else s) for s in shape]
             fail(f"returned a gradient {list(got.shape)} ({got.dtype}, {got.device}) for input {k} of "
                  f"torch.autograd.grad; the traced graph returns {expected} ({dtype}, {device})")
+
+
+_CREATE_GRAPH_WARNED = [False]
+
+
+def _warn_like_eager_once(engine) -> None:
+    """Eager's one-time warning for ``backward(create_graph=True)``, given as eager gives it.
+
+    It is a C++ once-per-process warning: a tiny real backward uses up torch's own
+    flag (so the eager engine stays silent later) and its text is warned once here,
+    from the frame eager's warning names (torch.autograd.graph._engine_run_backward).
+    """
+    if _CREATE_GRAPH_WARNED[0]:
+        return
+    _CREATE_GRAPH_WARNED[0] = True
+    leaf = torch.zeros((), requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.run_backward((leaf * 1.0,), (torch.ones(()),), False, True, (), True, True)
+    for w in caught:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name != "_engine_run_backward":
+            frame = frame.f_back
+        if frame is None:
+            warnings.warn(w.message, w.category, stacklevel=3)
+        else:
+            warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
+                                   module=frame.f_globals.get("__name__"),
+                                   registry=frame.f_globals.setdefault("__warningregistry__", {}))
 
 
 def _call_entry(entry: CompiledBackward, inputs: list):

@@ -22,6 +22,7 @@ SIDE_EFFECTS = frozenset({"accumulate", "hook", "opaque"})
 # For nodes without a stamp: gradfx's runtime functions by what they do.
 _BY_TARGET = {
     runtime_ops.accumulate_grad: "accumulate", runtime_ops.accumulate_grad_unchecked: "accumulate",
+    runtime_ops.accumulate_grad_create_graph: "accumulate",
     runtime_ops.call_node: "opaque", runtime_ops.call_backward: "opaque",
     **{fn: "hook" for fn in hook_ops.HOOK_CALLS},
 }

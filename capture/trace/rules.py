@@ -54,6 +54,11 @@ RUN_REAL: dict[str, str] = {
     "CumprodBackward0": "cumprod_backward: branches on zeros in the input",
 }
 
+# Under create_graph only: the formula branches on the data under grad mode.
+RUN_REAL_WITH_HISTORY: dict[str, str] = {
+    "LinalgDetBackward0": "det's backward takes a data-dependent path when it must be differentiable",
+}
+
 
 def rule(node_name: str):
     """Register a backward rule for autograd nodes named ``node_name``."""

@@ -34,7 +34,7 @@ def _maybe_multiply(t, s):
     """maybe_multiply: multiplies only when the scalar is not 1."""
     if not isinstance(s, complex) and s == 1:
         return t
-    return t * s
+    return aten.mul.Scalar(t, s)  # as the C++ formula: MulBackward1 under create_graph
 
 
 def _unsqueeze_multiple(t, dims, ndim):
@@ -123,7 +123,7 @@ def sum_backward1(saved, grad):
 @rule("MeanBackward0")
 def mean_backward0(saved, grad):
     """grad.expand_symint(self.sym_sizes()) / self.sym_numel()"""
-    return (grad.expand(saved.self_sym_sizes) / saved.self_sym_numel,)
+    return (aten.div.Scalar(grad.expand(saved.self_sym_sizes), saved.self_sym_numel),)
 
 
 @rule("MeanBackward1")
@@ -136,7 +136,7 @@ def mean_backward1(saved, grad):
         n = 1
         for d in dims if len(sizes) > 0 else ():
             n = n * sizes[_wrap(d, len(sizes))]
-    return (_sum_backward(grad, sizes, dims, saved.keepdim) / n,)
+    return (aten.div.Scalar(_sum_backward(grad, sizes, dims, saved.keepdim), n),)
 
 
 @rule("ViewBackward0")

@@ -35,7 +35,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..run import hook_ops, runtime_ops
 from .ready_queue import ReadyQueue
-from .rules import RUN_REAL, apply_rule
+from .rules import RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
 from .shapes import SymbolicSizes
 from ..graph.saved import substitute
 from ..graph.kinds import ACCUMULATE, FUNCTION, OPAQUE, TRACED
@@ -229,8 +229,9 @@ class _Tracer:
 
     # -- running one node ----------------------------------------------------
     def run_traced(self, i, node, grads):
-        if type(node).__name__ in RUN_REAL:
-            log.debug("gradfx: %s runs opaque (%s)", self.call.node_label(i), RUN_REAL[type(node).__name__])
+        name = type(node).__name__
+        if name in RUN_REAL or (self.call.create_graph and name in RUN_REAL_WITH_HISTORY):
+            log.debug("gradfx: %s runs opaque", self.call.node_label(i))
             return None
         graph = self.tracer.graph
         before = (graph._root.prev, len(self.shape_env.guards))
@@ -250,7 +251,12 @@ class _Tracer:
         return out if type(out) is tuple else (out,)
 
     def run_function(self, i, ctx, grads):
-        """Trace a traceable custom Function's backward; None if it cannot run on fakes."""
+        """Trace a traceable custom Function's backward; None if it cannot run on fakes.
+
+        With create_graph its backward runs as itself: tracing would lose what it
+        builds for a further backward (Functions it applies, once_differentiable)."""
+        if self.call.create_graph:
+            return None
         graph = self.tracer.graph
         before = (graph._root.prev, len(self.shape_env.guards))
         try:
@@ -319,6 +325,11 @@ class _Tracer:
 
     def accumulate(self, i, grad, var_input):
         label = self.call.node_label(i)
+        if self.call.create_graph:
+            proxy = self.record(runtime_ops.accumulate_grad_create_graph,
+                                (self.object_proxies[var_input], self.proxy(grad)), label)
+            proxy.node.meta["gradfx_kind"] = "accumulate"
+            return
         proxy = self.record(runtime_ops.accumulate_grad,
                             (self.object_proxies[var_input], self.proxy(grad), False), label)
         proxy.node.meta["gradfx_kind"] = "accumulate"
@@ -450,15 +461,19 @@ def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) ->
             k = pos_by_owner.get(owner, 0)
             table[(id(owned), k)] = fakes[pos]
             pos_by_owner[owner] = k + 1
-    with substitute(table), t.fake_mode, t.proxy_mode, torch.no_grad():
+    # The engine runs a backward with grad mode = create_graph: formulas branch on it
+    # (silu, group_norm, det, solve record other ops when they must be differentiable).
+    with substitute(table), t.fake_mode, t.proxy_mode, torch.set_grad_enabled(call.create_graph):
         captured = _run_engine(t, grads)
     out = []
     for g in captured:
         out.append(None if g is None else t.proxy(g).node)
     t.tracer.graph.output(tuple(out))
     _group_getitems(t.tracer.graph)
-    _mark_steals(t.tracer.graph)
+    if not call.create_graph:  # under grad mode AccumulateGrad never steals
+        _mark_steals(t.tracer.graph)
     _mark_required_outputs(t.tracer.graph)
+    t.tracer.graph._gradfx_create_graph = call.create_graph
     return Trace(t.tracer.graph, t.opaque, time.perf_counter() - start)
 
 
