@@ -8,7 +8,7 @@ from . import pipeline
 from .errors import Unsupported, _Fallback
 from .graph.walk import walk_backward
 from .run.session import Session, unused_input_message
-from .trace.shapes import baked_positions, dynamic_candidates
+from .trace.shapes import baked_positions, dynamic_candidates, share_symbols
 from .view.captured_graph import CapturedGraph
 
 
@@ -67,9 +67,9 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=Non
     for k, found in enumerate(call.outputs or ()):
         if found is None:  # the graph would return None for it, where torch.autograd.grad raises
             raise RuntimeError(unused_input_message(k))
-    positions = set()
+    positions = {}
     if dynamic is True:
-        positions = dynamic_candidates(call.sizes) - baked_positions(call)
+        positions = share_symbols(call, dynamic_candidates(call.sizes) - baked_positions(call))
     try:
         made = pipeline.capture_call(call, positions, session.passes, names=session.names,
                                      grad_inputs=inputs or (), keep_code=True)

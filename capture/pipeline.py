@@ -41,9 +41,10 @@ class Capture:
         return self.graph.graph_module
 
 
-def capture_call(call: BackwardCall, dynamic_positions: set, passes, *, names=None, grad_inputs=(),
+def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=None, grad_inputs=(),
                  keep_code: bool = False, compile=None) -> Capture:
-    """Trace ``call`` (symbolic at ``dynamic_positions``; static if that trace fails),
+    """Trace ``call`` (symbolic at ``dynamic_positions``, position -> symbol group;
+    static if that trace fails),
     run ``passes``, wrap the result and ``compile(gm, example_inputs)`` it if given.
     Raises ``_Fallback`` if it cannot be traced."""
     window = torch_caches.Window()  # what tracing adds to torch's caches goes with the graph
@@ -52,7 +53,7 @@ def capture_call(call: BackwardCall, dynamic_positions: set, passes, *, names=No
             start = time.perf_counter()
             trace, symbolic = None, None
             if dynamic_positions:
-                symbolic = SymbolicSizes(call.sizes, dynamic_positions)
+                symbolic = SymbolicSizes(call.sizes, dynamic_positions, dynamic_positions)
                 try:
                     trace = trace_backward(call, symbolic)
                 except Exception:

@@ -78,7 +78,10 @@ def _reference(symbolic, sizes) -> bool:
     dynamic = set(symbolic.positions)
     if any(sizes[p] != v for p, v in enumerate(symbolic.sizes) if p not in dynamic):
         return False
-    values = {symbolic.symbol[p]: sympy.Integer(sizes[p]) for p in symbolic.positions}
+    values = {}
+    for p in symbolic.positions:  # positions that share a symbol must agree
+        if values.setdefault(symbolic.symbol[p], sympy.Integer(sizes[p])) != sizes[p]:
+            return False
     for p in symbolic.positions:
         sym = symbolic.symbol[p]
         if sizes[p] not in env.var_to_range[sym]:
@@ -138,3 +141,13 @@ def test_a_disjunction_stays_inside_its_condition():
     assert not guard([4, 1]) and not guard([20, 6])
     assert _reference(symbolic, [4, 3]) == guard([4, 3])
 
+
+
+def test_positions_sharing_a_symbol_must_stay_equal():
+    symbolic = SymbolicSizes([4, 4, 6], {0, 1, 2}, groups={0: "a", 1: "a", 2: "b"})
+    guard = Guard.build(symbolic)
+    assert guard([4, 4, 6]) and guard([5, 5, 7])
+    assert not guard([5, 6, 7]) and not guard([1, 1, 7])
+    assert any(line == "sizes[1] == " + str(symbolic.symbol[0]) for line in guard.text)
+    for sizes in ([4, 4, 6], [5, 5, 7], [5, 6, 7], [1, 1, 7]):
+        assert guard(sizes) == _reference(symbolic, sizes)

@@ -31,7 +31,7 @@ from ..errors import FallbackWarning, Unsupported, _Fallback
 from .runtime_ops import WrongGradient
 from ..graph.saved import ForeignHooks
 from ..view import explain
-from ..trace.shapes import baked_positions, changed_positions, dynamic_candidates
+from ..trace.shapes import baked_positions, changed_positions, dynamic_candidates, share_symbols
 from ..graph.walk import OPAQUE, BackwardCall, walk_backward
 
 log = logging.getLogger("gradfx")
@@ -233,17 +233,18 @@ class Session:
         if walker is not None:
             fast_walk.walkers.add(root_type, config, walker)
 
-    def _dynamic_positions(self, call: BackwardCall, structure) -> set:
+    def _dynamic_positions(self, call: BackwardCall, structure) -> dict:
+        """position -> symbol group, for the sizes this capture makes symbolic."""
         if self.dynamic is False:
-            return set()
+            return {}
+        previous = cache.last_sizes.get(structure)
         if self.dynamic is True:
             wanted = dynamic_candidates(call.sizes)
         else:
-            previous = cache.last_sizes.get(structure)
             if previous is None:
-                return set()
+                return {}
             wanted = changed_positions(previous, call.sizes, call) | cache.dynamic_positions.get(structure, set())
-        return wanted - baked_positions(call)
+        return share_symbols(call, wanted - baked_positions(call), previous)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list):
         """(compiled callable, None), or (eager stand-in, reason) if the backend failed.
