@@ -32,5 +32,5 @@ else:
     ]
     __version__ = "0.1.0"
 
-    from .capture.warmup import warm_up as _warm_up
-    _warm_up()
+    from .capture import warmup as _warmup
+    _warmup.start()

@@ -8,7 +8,6 @@ from . import pipeline
 from .errors import Unsupported, _Fallback
 from .graph.walk import walk_backward
 from .run.session import Session, unused_input_message
-from .trace.shapes import baked_positions, dynamic_candidates, share_symbols
 from .view.captured_graph import CapturedGraph
 
 
@@ -69,6 +68,7 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=Non
             raise RuntimeError(unused_input_message(k))
     positions = {}
     if dynamic is True:
+        from .trace.shapes import baked_positions, dynamic_candidates, share_symbols
         positions = share_symbols(call, dynamic_candidates(call.sizes) - baked_positions(call))
     try:
         made = pipeline.capture_call(call, positions, session.passes, names=session.names,

@@ -14,11 +14,10 @@ import torch
 import torch.fx as fx
 
 from .. import reorder
+from . import warmup
 from .errors import _Fallback
 from .graph.walk import BackwardCall
 from .run import torch_caches
-from .trace.shapes import Guard, SymbolicSizes
-from .trace.tracer import trace_backward
 from .view import annotate, explain
 from .view.captured_graph import CapturedGraph
 
@@ -30,7 +29,7 @@ class Capture:
     """What a capture made: the graph, its guard, and the sizes it takes as inputs."""
 
     graph: CapturedGraph
-    guard: Guard
+    guard: object  # trace.shapes.Guard
     size_positions: list  # positions of call.sizes passed to the graph, before its inputs
     example_inputs: list
     opaque: list  # labels of the autograd nodes run as the real node
@@ -47,6 +46,9 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
     static if that trace fails),
     run ``passes``, wrap the result and ``compile(gm, example_inputs)`` it if given.
     Raises ``_Fallback`` if it cannot be traced."""
+    warmup.wait()  # tracing's one-time set-up, begun at import, must be done (and its cache window closed)
+    from .trace.shapes import Guard, SymbolicSizes  # sympy and fake tensors: not at import
+    from .trace.tracer import trace_backward
     window = torch_caches.Window()  # what tracing adds to torch's caches goes with the graph
     try:
         with window:
@@ -86,6 +88,7 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
 
 
 def _trace_static(call: BackwardCall):
+    from .trace.tracer import trace_backward
     try:
         return trace_backward(call, None)
     except _Fallback:

@@ -1,30 +1,65 @@
-"""Pay tracing's one-time costs at import, not in the user's first backward.
+"""Tracing's one-time set-up, done in the background from import on.
 
-The first fake-tensor trace in a process spends ~0.8 s importing and initialising
-torch's tracing machinery (FakeTensorMode, proxy mode, sympy).  Tracing one tiny
-backward at import moves that cost out of the first ``backward()``.  Set
-``GRADFX_NO_WARMUP=1`` to skip it.
+The first fake-tensor trace of a process spends about a second importing and
+initialising torch's tracing machinery (dynamo, FakeTensorMode, proxy mode,
+sympy).  ``import gradfx`` starts a thread that traces one tiny backward of its
+own, so neither the import nor the first backward pays it: the first capture
+waits for the thread only if it comes before the thread is done.
+
+The thread touches nothing eager code sees: its tensors are its own and made
+without the random generator, grad mode and dispatch modes are per thread, it
+never probes for DDP's hooks (the probe switches torch's compiled autograd on for
+the process), and its log lines are dropped.  Set ``GRADFX_NO_WARMUP=1`` to do without it.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import threading
+
+NAME = "gradfx-warm-up"
+log = logging.getLogger("gradfx")
+_thread: threading.Thread | None = None
 
 
-def warm_up() -> None:
-    if os.environ.get("GRADFX_NO_WARMUP"):
+def start() -> None:
+    global _thread
+    if os.environ.get("GRADFX_NO_WARMUP") or _thread is not None:
         return
-    import logging
+    _thread = threading.Thread(target=_warm_up, name=NAME, daemon=True)
+    _thread.start()
+    atexit.register(wait)  # an interpreter that exits mid-trace could crash in torch's teardown
 
-    import torch
-    from .api import capture
-    logger = logging.getLogger("gradfx")
-    disabled, logger.disabled = logger.disabled, True
+
+def wait() -> None:
+    """Block until the warm-up trace is done (at once if it is, or never ran)."""
+    thread = _thread
+    if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+        thread.join()
+
+
+def _warm_up() -> None:
     try:
-        with torch.random.fork_rng():
-            lin = torch.nn.Linear(4, 4)
-            norm = torch.nn.LayerNorm(4)
-            x = torch.randn(2, 4)
-            capture(norm(torch.nn.functional.gelu(lin(x))).relu().mean())
-    finally:
-        logger.disabled = disabled
+        import torch
+        import torch._dynamo  # noqa: F401  (routing keeps dynamo out of gradfx's frames)
+        import torch.nn.functional as F
+
+        from .api import capture
+        from .graph import distributed
+        w = torch.linspace(-1.0, 1.0, 16).view(4, 4).requires_grad_(True)
+        b = torch.zeros(4, requires_grad=True)
+        x = torch.arange(8.0).view(2, 4)
+        with distributed.unprobed():
+            capture(F.layer_norm(F.gelu(F.linear(x, w, b)), (4,)).relu().mean())
+    except Exception:  # an optimization: the first capture does the set-up instead
+        log.debug("gradfx: warm-up trace failed", exc_info=True)
+
+
+class _NotWarmUp(logging.Filter):
+    def filter(self, record) -> bool:
+        return record.threadName != NAME
+
+
+log.addFilter(_NotWarmUp())

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..capture.trace.tracer import is_getitem, unpack_right_after
+from ..capture.trace.getitems import is_getitem, unpack_right_after
 from ..capture.trace.kinds import has_side_effect
 
 

@@ -11,6 +11,8 @@ refuses too, so nothing is ever executed).  The answer is cached per node.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 _checked: dict[int, tuple] = {}  # id(node) -> (variable id, has C++ hooks)
@@ -24,8 +26,27 @@ def _refuse(gm):
     raise _Refused()
 
 
+class _Quiet(threading.local):
+    on = False
+
+
+_quiet = _Quiet()
+
+
 def initialized() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not _quiet.on and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class unprobed:
+    """Context: on this thread, graphs are not probed for C++ hooks.  The probe
+    enables torch's compiled autograd for the whole process; gradfx's warm-up trace
+    (of a graph of its own, on a thread of its own) must not."""
+
+    def __enter__(self):
+        _quiet.on = True
+
+    def __exit__(self, *exc):
+        _quiet.on = False
 
 
 def cpp_hooks_reason(accumulators: list) -> str | None:
@@ -47,10 +68,8 @@ def _probe(variables) -> bool:
     from torch._dynamo import compiled_autograd
     from torch.autograd.variable import Variable
 
-    from ..run.routing import RoutingEngine
     engine = Variable._execution_engine
-    if isinstance(engine, RoutingEngine):
-        engine = engine.engine
+    engine = getattr(engine, "engine", engine)  # the C++ engine behind gradfx's routing
     roots = tuple(v.view_as(v) for v in variables)
     grads = tuple(torch.zeros_like(v) for v in variables)
     try:

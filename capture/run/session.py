@@ -31,7 +31,6 @@ from ..errors import FallbackWarning, Unsupported, _Fallback
 from .runtime_ops import WrongGradient
 from ..graph.saved import ForeignHooks
 from ..view import explain
-from ..trace.shapes import baked_positions, changed_positions, dynamic_candidates, share_symbols
 from ..graph.walk import OPAQUE, BackwardCall, walk_backward
 
 log = logging.getLogger("gradfx")
@@ -237,6 +236,7 @@ class Session:
         """position -> symbol group, for the sizes this capture makes symbolic."""
         if self.dynamic is False:
             return {}
+        from ..trace.shapes import baked_positions, changed_positions, dynamic_candidates, share_symbols
         previous = cache.last_sizes.get(structure)
         if self.dynamic is True:
             wanted = dynamic_candidates(call.sizes)

@@ -99,36 +99,17 @@ def share_symbols(call: BackwardCall, positions, previous=None) -> dict:
 
     Sizes of one dimension (a batch in every activation) move together, and one
     symbol for them keeps the symbolic trace small: a symbol per position made a
-    BERT trace 30 times slower.  Knowing an earlier backward of the structure,
-    positions that were equal then and are equal now share one.  From one backward
-    alone, positions share one when they are equal and sit at the same place of
-    their shapes (dim 0 of one tensor and dim 0 of another): a batch of 2 and 2
-    heads (dim 1) stay apart.  Sizes that are equal by chance still may share one;
-    then the guard rejects the backward that tells them apart, and the recapture,
-    knowing two backwards, separates them.
+    BERT recapture 30 times slower.  Knowing an earlier backward of the structure,
+    positions that were equal then and are equal now share one (two dims equal
+    twice by chance still share one, until a third backward tells them apart: the
+    guard rejects it and the recapture separates them).  From one backward alone
+    equal sizes may be a coincidence (a batch of 4 and a layer of 4 outputs):
+    each position gets its own symbol, so that the graph fits every later size it can.
     """
+    if previous is None:
+        return {p: p for p in positions}
     sizes = call.sizes
-    if previous is not None:
-        return {p: (sizes[p], previous[p]) for p in positions}
-    roles = size_roles(call)
-    return {p: (sizes[p], roles.get(p)) for p in positions}
-
-
-def size_roles(call: BackwardCall) -> dict:
-    """position -> where the size sits: a dim index, ("stride", dim) or ("item", k)."""
-    roles = {}
-    for start, ndim, stride_start in call.tensor_slots.values():
-        for d in range(ndim):
-            roles[start + d] = d
-            if stride_start >= 0:
-                roles[stride_start + d] = ("stride", d)
-    for (i, nr), start in call.meta_slots():
-        for d in range(len(call.nodes[i]._input_metadata[nr].shape)):
-            roles.setdefault(start + d, d)
-    for (i, attr), (start, layout) in call.value_slots():
-        for k in range(_count(layout)):
-            roles.setdefault(start + k, ("item", k))
-    return roles
+    return {p: (sizes[p], previous[p]) for p in positions}
 
 
 class SymbolicSizes:

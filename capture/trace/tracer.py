@@ -34,6 +34,7 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..run import hook_ops, runtime_ops
+from .getitems import unpack_right_after
 from .ready_queue import ReadyQueue
 from .rules import RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
 from .shapes import SymbolicSizes
@@ -487,18 +488,6 @@ def _group_getitems(graph: fx.Graph) -> None:
     """
     for node in list(graph.nodes):
         unpack_right_after(node)
-
-
-def is_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
-
-
-def unpack_right_after(node: fx.Node) -> None:
-    """Move the getitems of ``node``'s tuple result right behind it, in item order."""
-    anchor = node
-    for item in sorted((u for u in node.users if is_getitem(u)), key=lambda u: u.args[1]):
-        anchor.append(item)
-        anchor = item
 
 
 def _mark_required_outputs(graph: fx.Graph) -> None:
