@@ -93,10 +93,8 @@ MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5}
 def padding_mask(batch, length):
     # Row i ends in (i % 4) * 2 padding tokens; row 1 always pads, so the mask is
     # never all ones (an all-ones mask may be dropped, a different graph).
-    mask = torch.ones(batch, length, dtype=torch.long)
-    for i in range(batch):
-        mask[i, length - (i % 4) * 2:] = 0 if i % 4 else 1
-    return mask
+    pad = (torch.arange(batch) % 4) * 2
+    return (torch.arange(length) < length - pad[:, None]).long()
 
 
 def loss_of(name, model, batch, length, seed):
