@@ -2,50 +2,129 @@
 
 For each model it prints, in one run:
 - first backward (capture + compile), each engine in a fresh process;
+- recapture: in a fresh process, the first backward after a size change (e.g. batch
+  64 -> 48, or sequence length 32 -> 24) once the first size is cached (gradfx with
+  ``dynamic="auto"``: the capture that makes sizes symbolic; PyTorch's compiled
+  autograd: its recompile), and gradfx's first backward with ``dynamic=True`` (the
+  first capture with every size symbolic);
 - steady-state backward time (median, after warm-up), engines alternating in one
   process, as a ratio to eager;
-- autograd node count and opaque node count of gradfx's graph.
+- autograd node count and opaque node count of gradfx's graph;
+and at the end one summary line per model.
+
+Models: mlp, transformer, mlp_large, transformer_hooked (the transformer with a full
+backward hook on each layer), gpt2 and llama (tiny, random weights, built from
+transformers' configs: nothing is downloaded; skipped with a message when
+transformers is not installed: ``pip install -e ".[models]"``).
 
 Usage: python bench/bench_backward.py [--models mlp transformer] [--backend eager]
-       [--skip-torch] [--steps 50]
+       [--skip-torch] [--skip-recapture] [--steps 50] [--threads 1|2]
 ``--backend whole-inductor`` hands gradfx's whole graph to
 ``torch.compile(gm, backend="inductor", fullgraph=True)`` (``--backend inductor``
 is gradfx's built-in split: the pure part compiled, accumulation in Python).
+``--threads`` sets ``torch.set_num_threads`` here and in every child process.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only; never reach for a hub
+# transformer_hooked: the first layer's input does not require grad (eager warns too)
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 import torch
 import torch.nn as nn
 
+VOCAB = 128
+
+
+def _transformer():
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True), 2,
+                                 enable_nested_tensor=False)
+
+
+def _transformer_hooked():
+    model = _transformer()
+    for layer in model.layers:  # a module full backward hook on every layer
+        layer.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    return model
+
+
+def _gpt2():
+    import transformers
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, n_inner=128,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2,
+        attn_implementation="eager"))
+
+
+def _llama():
+    import transformers
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        attn_implementation="sdpa"))
+
+
+def _sum_loss(model, x):
+    return model(x).sum()
+
+
+def _lm_loss(model, ids):
+    logits = model(input_ids=ids).logits
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def _randn(shape):
+    return torch.randn(*shape)
+
+
+def _ids(shape):
+    return torch.randint(3, VOCAB, shape)
+
+
+# name: (make, input shape, shape after a size change, make an input, loss, needs transformers)
 MODELS = {
     # 8 x (Linear(256) + GELU + LayerNorm), batch 64
     "mlp": (lambda: nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.LayerNorm(256))
-                                    for _ in range(8)]), (64, 256)),
+                                    for _ in range(8)]), (64, 256), (48, 256), _randn, _sum_loss, False),
     # 2-layer TransformerEncoder, d=128, 4 heads, ff 256, input 8x32x128
-    "transformer": (lambda: nn.TransformerEncoder(
-        nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True), 2,
-        enable_nested_tensor=False), (8, 32, 128)),
+    "transformer": (_transformer, (8, 32, 128), (8, 24, 128), _randn, _sum_loss, False),
     # 4 x (Linear(1024) + GELU + LayerNorm), batch 512 (compute-bound)
     "mlp_large": (lambda: nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.LayerNorm(1024))
-                                          for _ in range(4)]), (512, 1024)),
+                                          for _ in range(4)]), (512, 1024), (384, 1024), _randn, _sum_loss, False),
+    # the transformer with register_full_backward_hook on each of its 2 layers
+    "transformer_hooked": (_transformer_hooked, (8, 32, 128), (8, 24, 128), _randn, _sum_loss, False),
+    # GPT-2 and Llama (rotary, sdpa): 2 layers, hidden 64, vocabulary 128, batch 8 x 32 tokens
+    "gpt2": (_gpt2, (8, 32), (8, 24), _ids, _lm_loss, True),
+    "llama": (_llama, (8, 32), (8, 24), _ids, _lm_loss, True),
 }
 
 
-def _setup(name):
+def _available(name):
+    if MODELS[name][5] and importlib.util.find_spec("transformers") is None:
+        return False
+    return True
+
+
+def _setup(name, resized=False):
     torch.manual_seed(0)
-    make, shape = MODELS[name]
-    return make(), torch.randn(*shape)
+    make, shape, shape2, make_input, loss_fn, _ = MODELS[name]
+    model = make()
+    x = make_input(shape2 if resized else shape)
+    return model, x, loss_fn
 
 
-def _engine(kind, backend):
+def _engine(kind, backend, dynamic="auto"):
     import contextlib
     if kind == "eager":
         return contextlib.nullcontext
@@ -54,86 +133,162 @@ def _engine(kind, backend):
         if backend.startswith("whole-"):  # the whole graph through torch.compile, as users write it
             inner = backend[len("whole-"):]
             return lambda: gradfx.compiled_autograd(
-                backend=lambda gm: torch.compile(gm, backend=inner, fullgraph=True))
-        return lambda: gradfx.compiled_autograd(backend=backend)
+                backend=lambda gm: torch.compile(gm, backend=inner, fullgraph=True), dynamic=dynamic)
+        return lambda: gradfx.compiled_autograd(backend=backend, dynamic=dynamic)
     from torch._dynamo import compiled_autograd
     tbackend = backend[len("whole-"):] if backend.startswith("whole-") else backend
     return lambda: compiled_autograd._enable(lambda gm: torch.compile(gm, backend=tbackend))
 
 
-def first_backward(name, kind, backend):
-    """Child process: time the first backward of a fresh process."""
-    ctx = _engine(kind, backend)
-    model, x = _setup(name)
-    loss = model(x).sum()
+def _timed_backward(ctx, model, x, loss_fn):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model, x)
     start = time.perf_counter()
     with ctx():
         loss.backward()
-    out = {"seconds": time.perf_counter() - start}
+    return time.perf_counter() - start
+
+
+def first_backward(name, kind, backend):
+    """Child process: time the first backward of a fresh process."""
+    ctx = _engine(kind, backend)
+    model, x, loss_fn = _setup(name)
+    out = {"seconds": _timed_backward(ctx, model, x, loss_fn)}
     if kind == "gradfx":
         import gradfx
-        loss = model(x).sum()
-        g = gradfx.capture(loss)
+        g = gradfx.capture(loss_fn(model, x))
         out["autograd_nodes"] = g.autograd_nodes
         out["opaque_nodes"] = len(g.opaque_nodes)
         out["fx_nodes"] = len(g.graph_module.graph.nodes)
     print(json.dumps(out))
 
 
-def _child(name, kind, backend):
+def resize_backward(name, kind, backend):
+    """Child process: the first backward after a size change, the first size cached."""
+    ctx = _engine(kind, backend, dynamic="auto")
+    model, x, loss_fn = _setup(name)
+    _, x2, _ = _setup(name, resized=True)
+    for _ in range(2):  # capture, then a cache hit
+        _timed_backward(ctx, model, x, loss_fn)
+    out = {"seconds": _timed_backward(ctx, model, x2, loss_fn)}
+    out["again"] = _timed_backward(ctx, model, x2, loss_fn)  # the new size once more
+    if kind == "gradfx":
+        import gradfx
+        out["stats"] = gradfx.stats()
+    print(json.dumps(out))
+
+
+def symbolic_backward(name, kind, backend):
+    """Child process: gradfx's first backward with dynamic=True (every size symbolic)."""
+    ctx = _engine(kind, backend, dynamic=True)
+    model, x, loss_fn = _setup(name)
+    out = {"seconds": _timed_backward(ctx, model, x, loss_fn)}
+    _, x2, _ = _setup(name, resized=True)
+    out["resized"] = _timed_backward(ctx, model, x2, loss_fn)  # the other size: a cache hit
+    import gradfx
+    out["stats"] = gradfx.stats()
+    print(json.dumps(out))
+
+
+CHILD_MODES = {"first": first_backward, "resize": resize_backward, "symbolic": symbolic_backward}
+
+
+def _child(mode, name, kind, backend, threads):
     env = dict(os.environ)
-    res = subprocess.run([sys.executable, __file__, "--child", name, kind, backend],
-                         capture_output=True, text=True, env=env, timeout=900)
+    cmd = [sys.executable, __file__, "--child", mode, name, kind, backend]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 1800 s"}
     if res.returncode != 0:
-        return {"error": res.stderr.strip().splitlines()[-1] if res.stderr else "failed"}
+        return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"}
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def steady_state(name, kinds, backend, steps):
-    model, x = _setup(name)
+    model, x, loss_fn = _setup(name)
     ctxs = {k: _engine(k, backend) for k in kinds}
     times = {k: [] for k in kinds}
     for step in range(steps + 5):
         for k in kinds:
-            model.zero_grad(set_to_none=True)
-            loss = model(x).sum()
-            start = time.perf_counter()
-            with ctxs[k]():
-                loss.backward()
+            t = _timed_backward(ctxs[k], model, x, loss_fn)
             if step >= 5:
-                times[k].append(time.perf_counter() - start)
+                times[k].append(t)
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def _s(result, key="seconds"):
+    v = result.get(key) if result else None
+    return f"{v:.3f} s" if isinstance(v, (int, float)) else (result or {}).get("error", "n/a")
+
+
+def _num(result, key="seconds"):
+    v = (result or {}).get(key)
+    return v if isinstance(v, (int, float)) else float("nan")
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--child", nargs=3)
-    p.add_argument("--models", nargs="+", default=["mlp", "transformer"])
+    p.add_argument("--child", nargs=4, metavar=("MODE", "MODEL", "ENGINE", "BACKEND"))
+    p.add_argument("--models", nargs="+", default=["mlp", "transformer"], choices=sorted(MODELS))
     p.add_argument("--backend", default="eager")
     p.add_argument("--skip-torch", action="store_true", help="skip PyTorch's compiled autograd")
+    p.add_argument("--skip-recapture", action="store_true", help="skip the size-change and dynamic=True runs")
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--threads", type=int, choices=[1, 2], help="torch.set_num_threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.child:
-        first_backward(*args.child)
+        mode, name, kind, backend = args.child
+        CHILD_MODES[mode](name, kind, backend)
         return
     kinds = ["eager", "gradfx"] + ([] if args.skip_torch else ["torch_ca"])
     print(f"backend={args.backend} torch={torch.__version__} threads={torch.get_num_threads()}")
+    summary = []
     for name in args.models:
-        first = {k: _child(name, k, args.backend) for k in kinds if k != "eager"}
+        if not _available(name):
+            print(f"\n[{name}] skipped: transformers is not installed (pip install -e \".[models]\")")
+            continue
+        first = {k: _child("first", name, k, args.backend, args.threads) for k in kinds if k != "eager"}
+        resize, symbolic = {}, {}
+        if not args.skip_recapture:
+            resize = {k: _child("resize", name, k, args.backend, args.threads) for k in kinds if k != "eager"}
+            symbolic = _child("symbolic", name, "gradfx", args.backend, args.threads)
         steady = steady_state(name, kinds, args.backend, args.steps)
         g = first["gradfx"]
         print(f"\n[{name}] autograd nodes {g.get('autograd_nodes')}, opaque {g.get('opaque_nodes')}, "
               f"fx nodes {g.get('fx_nodes')}")
-        line = f"  first backward: gradfx {g.get('seconds', float('nan')):.3f} s"
+        line = f"  first backward: gradfx {_s(g)}"
         if "torch_ca" in first:
-            t = first["torch_ca"].get("seconds", float("nan"))
-            line += f", torch compiled autograd {t:.3f} s (gradfx = 1/{t / g['seconds']:.1f} of it)"
+            t = _num(first["torch_ca"])
+            line += f", torch compiled autograd {_s(first['torch_ca'])} (gradfx = 1/{t / _num(g):.1f} of it)"
         print(line)
+        if resize:
+            shape, shape2 = MODELS[name][1], MODELS[name][2]
+            r = resize["gradfx"]
+            line = (f"  recapture {'x'.join(map(str, shape))} -> {'x'.join(map(str, shape2))}: "
+                    f"gradfx auto {_s(r)} (captures {r.get('stats', {}).get('captures', '?')}, then {_s(r, 'again')})")
+            if "torch_ca" in resize:
+                line += f", torch compiled autograd {_s(resize['torch_ca'])} (then {_s(resize['torch_ca'], 'again')})"
+            print(line)
+            print(f"  first symbolic capture (dynamic=True): gradfx {_s(symbolic)} "
+                  f"(other size: {_s(symbolic, 'resized')}, captures {symbolic.get('stats', {}).get('captures', '?')})")
         e = steady["eager"]
         line = f"  steady backward: eager {e * 1e3:.3f} ms, gradfx {steady['gradfx'] * 1e3:.3f} ms ({steady['gradfx'] / e:.2f}x)"
         if "torch_ca" in steady:
             line += f", torch compiled autograd {steady['torch_ca'] * 1e3:.3f} ms ({steady['torch_ca'] / e:.2f}x)"
-        print(line)
+        print(line, flush=True)
+        summary.append((name, _num(g), _num(resize.get("gradfx")), _num(symbolic),
+                        steady["gradfx"] / e, steady["torch_ca"] / e if "torch_ca" in steady else float("nan")))
+    if summary:
+        print(f"\nsummary (threads={torch.get_num_threads()}, backend={args.backend}): "
+              "first, recapture (auto), first symbolic (True) in s; steady ratios vs eager")
+        print(f"  {'model':20s} {'first':>8s} {'recapture':>10s} {'symbolic':>9s} {'gradfx/eager':>13s} {'torch_ca/eager':>15s}")
+        for name, f, r, s, ratio, tratio in summary:
+            print(f"  {name:20s} {f:8.3f} {r:10.3f} {s:9.3f} {ratio:13.2f} {tratio:15.2f}")
 
 
 if __name__ == "__main__":
