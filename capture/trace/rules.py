@@ -52,6 +52,12 @@ RUN_REAL: dict[str, str] = {
     "ProdBackward0": "prod_backward: branches on zeros in the input; result / input in eager",
     "ProdBackward1": "prod_backward (dim): branches on zeros in the input; result / input in eager",
     "CumprodBackward0": "cumprod_backward: branches on zeros in the input",
+    # evenly_distribute_backward: masked_fill on a zero tensor in eager (CPU), mask * grad
+    # traced; the two part where the incoming gradient is inf or nan.
+    "MaxBackward1": "evenly_distribute_backward: masked_fill in eager, mask * grad traced",
+    "MinBackward1": "evenly_distribute_backward: masked_fill in eager, mask * grad traced",
+    "MedianBackward0": "evenly_distribute_backward: masked_fill in eager, mask * grad traced",
+    "NanmedianBackward0": "evenly_distribute_backward: masked_fill in eager, mask * grad traced",
 }
 
 # Under create_graph only: the formula branches on the data under grad mode.
