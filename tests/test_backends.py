@@ -41,7 +41,7 @@ def test_aot_eager_with_hooks_runs_eager_backend():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("make, shape", [
-    (mlp, (8, 16)),
+    pytest.param(mlp, (8, 16), marks=pytest.mark.sample),
     (lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 1,
                                    enable_nested_tensor=False), (2, 5, 16)),
 ])

@@ -155,7 +155,8 @@ def test_fullgraph_compile(name, inner):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.sample) if n == "mlp" else n
+                                  for n in sorted(MODELS)])
 def test_fullgraph_compile_inductor(name):
     _check(name, "inductor", steps=3)
 
