@@ -31,6 +31,3 @@ else:
         "list_backends", "list_passes", "register_backend", "reset", "set_cache_size", "stats", "traceable",
     ]
     __version__ = "0.1.0"
-
-    from .capture import warmup as _warmup
-    _warmup.start()

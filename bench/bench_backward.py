@@ -1,7 +1,10 @@
 """Backward-pass benchmark: gradfx vs eager autograd vs PyTorch's compiled autograd.
 
 For each model it prints, in one run:
-- first backward (capture + compile), each engine in a fresh process;
+- first backward (capture + compile), each engine in a fresh process, and "warm": the
+  same in a process where the engine has already run one tiny backward (the one-time
+  set-up both pay, about 1 s of importing torch._dynamo and initialising fake
+  tensors, is behind it: what every model after the first costs);
 - recapture: in a fresh process, the first backward after a size change (e.g. batch
   64 -> 48, or sequence length 32 -> 24) once the first size is cached (gradfx with
   ``dynamic="auto"``: the capture that makes sizes symbolic; PyTorch's compiled
@@ -149,9 +152,18 @@ def _timed_backward(ctx, model, x, loss_fn):
     return time.perf_counter() - start
 
 
-def first_backward(name, kind, backend):
-    """Child process: time the first backward of a fresh process."""
+def _tiny_backward(ctx):
+    layer = nn.Linear(3, 2)
+    with ctx():
+        layer(torch.randn(4, 3)).tanh().sum().backward()
+
+
+def first_backward(name, kind, backend, warm=False):
+    """Child process: time the first backward of a fresh process (``warm``: after the
+    engine's one-time set-up, done by a tiny backward of another model)."""
     ctx = _engine(kind, backend)
+    if warm:
+        _tiny_backward(ctx)
     model, x, loss_fn = _setup(name)
     out = {"seconds": _timed_backward(ctx, model, x, loss_fn)}
     if kind == "gradfx":
@@ -190,7 +202,8 @@ def symbolic_backward(name, kind, backend):
     print(json.dumps(out))
 
 
-CHILD_MODES = {"first": first_backward, "resize": resize_backward, "symbolic": symbolic_backward}
+CHILD_MODES = {"first": first_backward, "first_warm": lambda *a: first_backward(*a, warm=True),
+               "resize": resize_backward, "symbolic": symbolic_backward}
 
 
 def _child(mode, name, kind, backend, threads):
@@ -253,6 +266,7 @@ def main():
             print(f"\n[{name}] skipped: transformers is not installed (pip install -e \".[models]\")")
             continue
         first = {k: _child("first", name, k, args.backend, args.threads) for k in kinds if k != "eager"}
+        warm = {k: _child("first_warm", name, k, args.backend, args.threads) for k in kinds if k != "eager"}
         resize, symbolic = {}, {}
         if not args.skip_recapture:
             resize = {k: _child("resize", name, k, args.backend, args.threads) for k in kinds if k != "eager"}
@@ -265,6 +279,12 @@ def main():
         if "torch_ca" in first:
             t = _num(first["torch_ca"])
             line += f", torch compiled autograd {_s(first['torch_ca'])} (gradfx = 1/{t / _num(g):.1f} of it)"
+        print(line)
+        gw = warm["gradfx"]
+        line = f"  first backward, warm process: gradfx {_s(gw)}"
+        if "torch_ca" in warm:
+            t = _num(warm["torch_ca"])
+            line += f", torch compiled autograd {_s(warm['torch_ca'])} (gradfx = 1/{t / _num(gw):.1f} of it)"
         print(line)
         if resize:
             shape, shape2 = MODELS[name][1], MODELS[name][2]
@@ -281,14 +301,15 @@ def main():
         if "torch_ca" in steady:
             line += f", torch compiled autograd {steady['torch_ca'] * 1e3:.3f} ms ({steady['torch_ca'] / e:.2f}x)"
         print(line, flush=True)
-        summary.append((name, _num(g), _num(resize.get("gradfx")), _num(symbolic),
+        summary.append((name, _num(g), _num(gw), _num(resize.get("gradfx")), _num(symbolic),
                         steady["gradfx"] / e, steady["torch_ca"] / e if "torch_ca" in steady else float("nan")))
     if summary:
         print(f"\nsummary (threads={torch.get_num_threads()}, backend={args.backend}): "
-              "first, recapture (auto), first symbolic (True) in s; steady ratios vs eager")
-        print(f"  {'model':20s} {'first':>8s} {'recapture':>10s} {'symbolic':>9s} {'gradfx/eager':>13s} {'torch_ca/eager':>15s}")
-        for name, f, r, s, ratio, tratio in summary:
-            print(f"  {name:20s} {f:8.3f} {r:10.3f} {s:9.3f} {ratio:13.2f} {tratio:15.2f}")
+              "first (fresh, warm process), recapture (auto), first symbolic (True) in s; steady ratios vs eager")
+        print(f"  {'model':20s} {'first':>8s} {'warm':>8s} {'recapture':>10s} {'symbolic':>9s} {'gradfx/eager':>13s} "
+              f"{'torch_ca/eager':>15s}")
+        for name, f, w, r, s, ratio, tratio in summary:
+            print(f"  {name:20s} {f:8.3f} {w:8.3f} {r:10.3f} {s:9.3f} {ratio:13.2f} {tratio:15.2f}")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=Non
     positions = {}
     if dynamic is True:
         from .trace.shapes import baked_positions, dynamic_candidates, share_symbols
-        positions = share_symbols(call, dynamic_candidates(call.sizes) - baked_positions(call))
+        positions = share_symbols(call, dynamic_candidates(call) - baked_positions(call))
     try:
         made = pipeline.capture_call(call, positions, session.passes, names=session.names,
                                      grad_inputs=inputs or (), keep_code=True)

@@ -14,7 +14,6 @@ import torch
 import torch.fx as fx
 
 from .. import reorder
-from . import warmup
 from .errors import _Fallback
 from .graph.walk import BackwardCall
 from .run import torch_caches
@@ -46,7 +45,6 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
     static if that trace fails),
     run ``passes``, wrap the result and ``compile(gm, example_inputs)`` it if given.
     Raises ``_Fallback`` if it cannot be traced."""
-    warmup.wait()  # tracing's one-time set-up, begun at import, must be done (and its cache window closed)
     from .trace.shapes import Guard, SymbolicSizes  # sympy and fake tensors: not at import
     from .trace.tracer import trace_backward
     window = torch_caches.Window()  # what tracing adds to torch's caches goes with the graph

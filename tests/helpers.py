@@ -64,7 +64,8 @@ def compare_training(make_model, make_inputs, loss_fn=None, *, iterations=3, bac
         assert session.stats["fallbacks"] == 0, session.stats
         if check_opaque:
             for graph in session.graphs:
-                assert graph.opaque_nodes == list(allow_opaque), graph.opaque_nodes
+                # node names without their sequence numbers (those depend on what ran before)
+                assert [label.split()[0] for label in graph.opaque_nodes] == list(allow_opaque), graph.opaque_nodes
         assert_same(grads_of(eager_model.parameters()), grads_of(gfx_model.parameters()), exact)
     totals = gradfx.stats()
     assert totals["captures"] == expect_captures, totals

@@ -147,3 +147,29 @@ def test_auto_from_a_batch_of_one():
     # 1 is captured static (broadcasting); the next size makes the batch symbolic.
     make, shape = MODELS["mlp"]
     assert _run(make, [shape(b) for b in (1, 2, 3, 4, 1)], "auto") == 2
+
+
+def test_parameters_keep_static_sizes_until_one_changes():
+    # dynamic=True keeps nn.Parameters' sizes static (as torch.compile does): a batch
+    # change reuses the graph, a parameter of a new size recaptures with that size
+    # symbolic, and a third size reuses the recapture.  Plain leaves stay symbolic.
+    def step(width, batch, under):
+        torch.manual_seed(width * 100 + batch)
+        layer = nn.Linear(width, 4)
+        data = torch.randn(batch, width, requires_grad=True)
+        loss = torch.tanh(layer(data)).pow(2).sum()
+        if under:
+            with gradfx.compiled_autograd(dynamic=True, strict=True):
+                loss.backward()
+        else:
+            loss.backward()
+        return [layer.weight.grad, layer.bias.grad, data.grad]
+
+    counts = []
+    for width, batch in [(6, 3), (6, 5), (7, 5), (9, 2), (6, 8)]:
+        assert_same(step(width, batch, False), step(width, batch, True))
+        counts.append(gradfx.stats()["captures"])
+    assert counts == [1, 1, 2, 2, 2]
+    graph = gradfx.capture(nn.Linear(6, 4)(torch.randn(3, 6)).sum(), dynamic=True)
+    guards = "; ".join(graph.guards)
+    assert "== 6" in guards and "== 4" in guards  # the weight's sizes, guarded as constants

@@ -62,7 +62,7 @@ def _symbolic_capture(name):
     make, shape, others = MODELS[name]
     model = make()
     call = _sizes_of(model, shape)
-    symbolic = SymbolicSizes(call.sizes, dynamic_candidates(call.sizes) - baked_positions(call))
+    symbolic = SymbolicSizes(call.sizes, dynamic_candidates(call) - baked_positions(call))
     trace_backward(call, symbolic)
     real = []
     for other in others:

@@ -38,3 +38,19 @@ def runs():
 def test_eager_program_unchanged(runs, program, mode):
     assert runs[mode][program] == runs["plain"][program]
     assert runs["plain"][program]  # the program observed something
+
+
+def test_import_starts_no_thread_and_loads_no_tracer():
+    # A thread importing torch._dynamo at import time raced the user's own imports of it
+    # (a partially initialised module); tracing's modules load at the first capture.
+    code = ("import sys, threading, torch\n"
+            "before = threading.active_count()\n"
+            "import gradfx\n"
+            "print(threading.active_count() - before, 'torch._dynamo' in sys.modules)\n"
+            "import torch._dynamo\n")
+    env = dict(os.environ)
+    env.pop("TORCH_LOGS", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["0", "False"], out.stdout

@@ -18,7 +18,7 @@ def test_torch_logs_prints_each_line_once(setting, imports):
             "x = torch.randn(3, requires_grad=True)\n"
             "with gradfx.compiled_autograd():\n    (x * 2).sum().backward()\n"
             "print(len(logging.getLogger('gradfx').handlers), len(logging.getLogger('torch').handlers))\n")
-    env = dict(os.environ, TORCH_LOGS=setting, GRADFX_NO_WARMUP="1")
+    env = dict(os.environ, TORCH_LOGS=setting)
     repo_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_parent, env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,

@@ -76,7 +76,8 @@ def test_transformer_encoder_layer():
 def test_softmax_cross_entropy():
     target = torch.tensor([1, 0, 3, 2])
     compare_training(lambda: nn.Linear(10, 4), lambda: (torch.randn(4, 10),),
-                     lambda out: nn.functional.cross_entropy(out, target) + out.softmax(-1).max())
+                     lambda out: nn.functional.cross_entropy(out, target) + out.softmax(-1).max(),
+                     allow_opaque=("MaxBackward1",))  # runs as the real node (capture.rules.RUN_REAL)
 
 
 def test_broadcasting_sum_to():

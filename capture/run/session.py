@@ -238,12 +238,15 @@ class Session:
             return {}
         from ..trace.shapes import baked_positions, changed_positions, dynamic_candidates, share_symbols
         previous = cache.last_sizes.get(structure)
+        if self.dynamic is not True and previous is None:
+            return {}
+        wanted = cache.dynamic_positions.get(structure, set())
+        if previous is not None:  # sizes that changed, a parameter's under dynamic=True as well
+            wanted = wanted | changed_positions(previous, call.sizes, call)
         if self.dynamic is True:
-            wanted = dynamic_candidates(call.sizes)
-        else:
-            if previous is None:
-                return {}
-            wanted = changed_positions(previous, call.sizes, call) | cache.dynamic_positions.get(structure, set())
+            wanted = wanted | dynamic_candidates(call)
+        # A size of 0 or 1 stays static (broadcasting), even where an earlier graph had a symbol.
+        wanted = {p for p in wanted if call.sizes[p] >= 2}
         return share_symbols(call, wanted - baked_positions(call), previous)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list):
