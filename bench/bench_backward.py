@@ -15,7 +15,7 @@ For each model it prints, in one run:
 - autograd node count and opaque node count of gradfx's graph;
 and at the end one summary line per model.
 
-Models: mlp, transformer, mlp_large, transformer_hooked (the transformer with a full
+Models: mlp, transformer, mlp_large, cnn, transformer_hooked (the transformer with a full
 backward hook on each layer), gpt2 and llama (tiny, random weights, built from
 transformers' configs: nothing is downloaded; skipped with a message when
 transformers is not installed: ``pip install -e ".[models]"``).
@@ -59,6 +59,13 @@ def _transformer_hooked():
     for layer in model.layers:  # a module full backward hook on every layer
         layer.register_full_backward_hook(lambda module, grad_input, grad_output: None)
     return model
+
+
+def _cnn():
+    def block(cin, cout, stride):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+    return nn.Sequential(block(3, 16, 1), block(16, 32, 2), block(32, 32, 1), block(32, 64, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
 
 
 def _gpt2():
@@ -105,6 +112,8 @@ MODELS = {
     # 4 x (Linear(1024) + GELU + LayerNorm), batch 512 (compute-bound)
     "mlp_large": (lambda: nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.LayerNorm(1024))
                                           for _ in range(4)]), (512, 1024), (384, 1024), _randn, _sum_loss, False),
+    # 4 x (Conv3x3 + BatchNorm + ReLU), pooling and a Linear head, batch 16 x 3 x 32 x 32
+    "cnn": (_cnn, (16, 3, 32, 32), (12, 3, 32, 32), _randn, _sum_loss, False),
     # the transformer with register_full_backward_hook on each of its 2 layers
     "transformer_hooked": (_transformer_hooked, (8, 32, 128), (8, 24, 128), _randn, _sum_loss, False),
     # GPT-2 and Llama (rotary, sdpa): 2 layers, hidden 64, vocabulary 128, batch 8 x 32 tokens
