@@ -135,19 +135,7 @@ def backward_caller(function_class):
 
         def caller(attrs, saved, needs_input_grad, valid_edges, metas, must_be_defined, *grads):
             result = backward(RebuiltContext(attrs, saved, needs_input_grad), *grads)
-            if type(result) is not tuple:
-                result = (result,)
-            n = len(needs_input_grad)
-            if len(result) > n and all(r is None for r in result[n:]):
-                result = result[:n]
-            if len(result) != n:
-                raise RuntimeError(f"function {name}Backward returned an incorrect number of gradients "
-                                   f"(expected {n}, got {len(result)})")
-            wanted = [r for r, need in zip(result, needs_input_grad) if need]
-            outs, k = [], 0
-            for valid in valid_edges:
-                outs.append(wanted[k] if valid else None)
-                k += valid
+            outs = runtime_ops.function_outputs(f"{name}Backward", needs_input_grad, result, valid_edges)
             return runtime_ops.finish_outputs(f"{name}Backward", tuple(outs), metas, must_be_defined)
 
         caller.__name__ = caller.__qualname__ = f"backward_of_{name}"

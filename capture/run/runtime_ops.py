@@ -144,28 +144,32 @@ def call_backward(ctx, metas, must_be_defined, *grads):
         metadata = ctx._input_metadata
         grads = tuple(torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
                       for g, m in zip(grads, metadata))
-    outs = function_outputs(ctx, ctx.apply(*grads), [m is not None for m in metas])
+    outs = function_outputs(ctx.name(), ctx.needs_input_grad, ctx.apply(*grads), [m is not None for m in metas])
     return finish_outputs(ctx.name(), outs, metas, must_be_defined)
 
 
-def function_outputs(ctx, result, valid_edges) -> list:
+def function_outputs(name: str, needs_input_grad, result, valid_edges) -> list:
     """A custom Function's backward result as one gradient per edge (PyNode::apply's rules).
 
     Extra trailing Nones are dropped and the count must equal the forward's inputs.
     Edges exist for tensor inputs only; the valid ones (inputs that require grad)
-    appear in the same order as the True entries of ``needs_input_grad``.
+    appear in the same order as the True entries of ``needs_input_grad``.  Written
+    for dynamo as well: the traceable form of a custom Function calls it too.
     """
     if type(result) is not tuple:
         result = (result,)
-    needs = ctx.needs_input_grad
-    n_inputs = len(needs)
-    if len(result) > n_inputs and all(r is None for r in result[n_inputs:]):
-        result = result[:n_inputs]
-    if len(result) != n_inputs:
-        raise RuntimeError(f"function {ctx.name()} returned an incorrect number of gradients "
-                           f"(expected {n_inputs}, got {len(result)})")
-    wanted = iter([r for r, need in zip(result, needs) if need])
-    return [next(wanted) if valid else None for valid in valid_edges]
+    n = len(needs_input_grad)
+    if len(result) > n and all(r is None for r in result[n:]):
+        result = result[:n]
+    if len(result) != n:
+        raise RuntimeError(f"function {name} returned an incorrect number of gradients "
+                           f"(expected {n}, got {len(result)})")
+    wanted = [r for r, need in zip(result, needs_input_grad) if need]
+    outs, k = [], 0
+    for valid in valid_edges:
+        outs.append(wanted[k] if valid else None)
+        k += valid
+    return outs
 
 
 def check_gradient_count(name: str, got: int, expected: int) -> None:

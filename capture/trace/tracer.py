@@ -264,7 +264,7 @@ class _Tracer:
             if ctx.__dict__.get("_gradfx_materialize_grads", True):
                 grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1]) if g is None else g
                          for k, g in enumerate(grads)]
-            return runtime_ops.function_outputs(ctx, ctx.apply(*grads),
+            return runtime_ops.function_outputs(ctx.name(), ctx.needs_input_grad, ctx.apply(*grads),
                                                 [e is not None for e in self.call.records[i].edges])
         except Exception as err:
             self.undo(before, i, err)
