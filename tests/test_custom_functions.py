@@ -338,3 +338,43 @@ def test_custom_function_sizes_are_symbolic(dynamic, captures):
             _SavesInput.apply(x).sin().sum().backward()
         assert torch.equal(x.grad, expected)
     assert gradfx.stats()["captures"] == captures
+
+
+class _TooManyGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        return x * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad, grad  # one more than the forward's inputs
+
+
+class _TrailingNones(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        return x * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, grad * 3, None, None  # extra trailing Nones are dropped
+
+
+@pytest.mark.parametrize("fn", [_TooManyGradients, _TrailingNones])
+def test_backward_result_count_as_eager(fn):
+    def run(block):
+        x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        try:
+            with block():
+                fn.apply(x, y).sum().backward()
+        except RuntimeError as e:
+            return str(e)
+        return [x.grad, y.grad]
+
+    import contextlib
+    expected = run(contextlib.nullcontext)
+    got = run(lambda: gradfx.compiled_autograd(strict=True))
+    if isinstance(expected, str):
+        assert got == expected and "incorrect number of gradients" in expected
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
