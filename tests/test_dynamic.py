@@ -173,3 +173,35 @@ def test_parameters_keep_static_sizes_until_one_changes():
     graph = gradfx.capture(nn.Linear(6, 4)(torch.randn(3, 6)).sum(), dynamic=True)
     guards = "; ".join(graph.guards)
     assert "== 6" in guards and "== 4" in guards  # the weight's sizes, guarded as constants
+
+
+class _Heads(nn.Module):
+    """Attention written with view/reshape between (batch, length, heads, head size)."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = (q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5).softmax(-1)
+        o = (a @ v).transpose(1, 2).reshape(b * t, d)
+        return self.proj(o).view(b, t, d)
+
+
+def test_reshapes_stay_symbolic_when_a_batch_equals_the_heads():
+    # The first capture has batch 4 and 4 heads: the reshapes' dims are tied where they
+    # correspond, never by an equal size alone, so one graph fits every later shape.
+    torch.manual_seed(0)
+    eager_model = _Heads()
+    model = copy.deepcopy(eager_model)
+    for b, t in [(4, 8), (2, 8), (8, 8), (3, 12), (5, 20)]:
+        x = torch.randn(b, t, 32)
+        eager_model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        eager_model(x).square().mean().backward()
+        with gradfx.compiled_autograd(dynamic=True, strict=True):
+            model(x).square().mean().backward()
+        assert_same(grads_of(eager_model.parameters()), grads_of(model.parameters()))
+    assert gradfx.stats()["captures"] == 1

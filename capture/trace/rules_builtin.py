@@ -144,7 +144,69 @@ def mean_backward1(saved, grad):
 @rule("ReshapeAliasBackward0")
 def view_backward0(saved, grad):
     """grad.reshape_symint(self.sym_sizes())"""
-    return (grad.reshape(saved.self_sym_sizes),)
+    target = saved.self_sym_sizes
+    _tie_matching_dims(grad.shape, target)
+    return (grad.reshape(target),)
+
+
+def _atoms(dims, shape_env):
+    """Each dim as (sympy expression, size); a product of factors of distinct sizes as its
+    factors (s3*s4 -> (s3, 4), (s4, 2)).  sympy orders factors by name, not as the
+    memory lays them out: factors of equal sizes could be told apart only by luck, so
+    such a product stays one dim."""
+    import sympy  # here: this module loads at import, sympy with the first trace
+    out = []
+    for d in dims:
+        expr = d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d)
+        expr = shape_env.replace(expr)
+        atoms = [(expr, int(expr.xreplace(shape_env.backed_var_to_val)))]
+        if isinstance(expr, sympy.Mul):
+            factors = [(f, int(f.xreplace(shape_env.backed_var_to_val))) for f in expr.args]
+            if len({h for _, h in factors}) == len(factors):
+                atoms = factors
+        out += atoms
+    return out
+
+
+def _tie_matching_dims(source, target) -> None:
+    """Before a symbolic reshape, equate the dims that correspond.
+
+    Walked as reshape groups dims (consecutive runs with equal products), a source
+    factor and a target factor alone in their group are the same dim, and a lone
+    target symbol whose group holds several source factors is their product:
+    guarding these (true for these sizes) lets the ShapeEnv replace symbols, so the
+    reshape decides its groups at once instead of reasoning about products of
+    unrelated symbols (the larger part of a first symbolic capture of a transformer).
+    """
+    import sympy
+    syms = [d for d in (*source, *target) if isinstance(d, torch.SymInt)]
+    if not syms:
+        return
+    env = syms[0].node.shape_env
+    try:
+        src, dst = _atoms(source, env), _atoms(target, env)
+    except TypeError:  # a size without a value (data-dependent): reshape decides alone
+        return
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        (a, ha), (b, hb) = src[i], dst[j]
+        if ha == hb:
+            if a != b:
+                env.evaluate_expr(sympy.Eq(a, b))  # size branch: guards the equality (true here)
+            i, j = i + 1, j + 1
+            continue
+        group_a, group_b, pa, pb, i, j = [a], [b], ha, hb, i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(src):
+                group_a.append(src[i][0])
+                pa, i = pa * src[i][1], i + 1
+            elif pb < pa and j < len(dst):
+                group_b.append(dst[j][0])
+                pb, j = pb * dst[j][1], j + 1
+            else:
+                return
+        if len(group_b) == 1 and isinstance(b, sympy.Symbol):
+            env.evaluate_expr(sympy.Eq(b, sympy.Mul(*group_a)))  # size branch: as above
 
 
 @rule("ExpandBackward0")
