@@ -23,12 +23,11 @@ import operator
 from dataclasses import dataclass
 
 import sympy
+import torch
 from torch._guards import GuardSource, Source
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
-
-import torch
 
 from .rules import RULES
 from ..graph.kinds import ACCUMULATE, TRACED
