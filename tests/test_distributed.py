@@ -27,7 +27,14 @@ def _free_port():
 def _compare_steps(rank, eager_model, gfx_model, full, steps=3) -> dict:
     """Train both models ``steps`` steps, the second under gradfx; compare every grad."""
     import gradfx  # in the spawned process, before the first forward registers hooks
-    out = {"equal": True, "fallback_warned": False}
+    from gradfx.capture.graph import fast_walk
+    out = {"equal": True, "fallback_warned": False, "walker_taken": 0}
+    instantiate = fast_walk.instantiate
+
+    def counting(*args):  # the generated walker's last step: it took this backward
+        out["walker_taken"] += 1
+        return instantiate(*args)
+    fast_walk.instantiate = counting
     for it in range(steps):
         torch.manual_seed(100 * rank + it)
         x = torch.randn(3, 4)
@@ -86,6 +93,7 @@ def test_ddp_python_reducer_is_captured():
         assert results[rank]["equal"], results
         assert results[rank]["stats"]["fallbacks"] == 0, results
         assert results[rank]["stats"]["captures"] == 1, results
+        assert results[rank]["walker_taken"] == 2, results  # the cached steps
     assert results[0]["grad0"] == results[1]["grad0"]
 
 
@@ -117,3 +125,4 @@ def test_fsdp2_gradients_equal_eager():
         assert results[rank]["equal"], dict(results)
         assert results[rank]["stats"]["fallbacks"] == 0, dict(results)
         assert results[rank]["stats"]["captures"] >= 1, dict(results)
+        assert results[rank]["walker_taken"] == 3 - results[rank]["stats"]["captures"], dict(results)
