@@ -205,3 +205,25 @@ def test_reshapes_stay_symbolic_when_a_batch_equals_the_heads():
             model(x).square().mean().backward()
         assert_same(grads_of(eager_model.parameters()), grads_of(model.parameters()))
     assert gradfx.stats()["captures"] == 1
+
+
+@pytest.mark.parametrize("shapes", [[(4, 4), (2, 4), (4, 2), (3, 5), (6, 6), (2, 2), (5, 3)],
+                                    [(2, 3), (3, 2), (5, 5), (4, 7)]], ids=["equal-first", "distinct-first"])
+def test_merges_splits_and_transposes_over_shapes(shapes):
+    # Views that merge, split and transpose dims, first captured where the two dims are
+    # equal (a tie by size alone would fix them equal) or distinct: one graph, bitwise.
+    def program(n, m):
+        torch.manual_seed(n * 10 + m)
+        x = torch.randn(n, m, 6, requires_grad=True)
+        y = x.view(n * m, 6).sin().view(n, m * 6).view(n, m, 2, 3).transpose(1, 2).reshape(n * 2, m * 3)
+        return x, (y.reshape(n, m * 6).cos() * y.reshape(n, m * 6)).sum()
+
+    for n, m in shapes:
+        x, loss = program(n, m)
+        loss.backward()
+        expected = x.grad
+        x, loss = program(n, m)
+        with gradfx.compiled_autograd(dynamic=True, strict=True):
+            loss.backward()
+        assert torch.equal(expected, x.grad), (n, m)
+    assert gradfx.stats()["captures"] == 1
