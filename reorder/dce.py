@@ -19,7 +19,6 @@ After::
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from ..capture.trace.kinds import has_side_effect

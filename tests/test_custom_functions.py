@@ -340,24 +340,16 @@ def test_custom_function_sizes_are_symbolic(dynamic, captures):
     assert gradfx.stats()["captures"] == captures
 
 
-class _TooManyGradients(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, y):
-        return x * y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, grad, grad  # one more than the forward's inputs
+def _returning(name, gradients):
+    """A custom Function x * y whose backward returns ``gradients(grad)``."""
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(lambda ctx, x, y: x * y),
+        "backward": staticmethod(lambda ctx, grad: gradients(grad)),
+    })
 
 
-class _TrailingNones(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, y):
-        return x * y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2, grad * 3, None, None  # extra trailing Nones are dropped
+_TooManyGradients = _returning("_TooManyGradients", lambda g: (g, g, g))  # one more than the inputs
+_TrailingNones = _returning("_TrailingNones", lambda g: (g * 2, g * 3, None, None))  # dropped as eager drops them
 
 
 @pytest.mark.parametrize("fn", [_TooManyGradients, _TrailingNones])

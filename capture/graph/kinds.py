@@ -282,7 +282,6 @@ def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> bool:
 
 def emit_saved_check(src, i: int, node, info: TypeInfo, call) -> None:
     """Pass 1: read the saved tensors (eager's in-place check runs), check and size them."""
-    rec = call.records[i]
     mask = call.owned[i].mask
     k = 0
     m = 0

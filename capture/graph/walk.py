@@ -26,7 +26,7 @@ import torch
 
 from ..errors import _Fallback
 from . import distributed, hooks
-from .kinds import ACCUMULATE, FUNCTION, OPAQUE, TRACED, HookSpec, NodeRecord, Walk, kind_of, walk_hooks  # noqa: F401
+from .kinds import ACCUMULATE, NodeRecord, Walk, kind_of, walk_hooks
 
 class StructureKey:
     """A structure key with its hash computed once (the key is a long nested tuple)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import logging
-import threading
 import time
 import warnings
 
@@ -23,7 +22,7 @@ from ... import backends, reorder
 from ...backends.identity import Key, callable_key
 from .. import pipeline
 from ..view import annotate
-from ..graph import distributed, fast_walk
+from ..graph import fast_walk
 from . import counters, hook_ops, routing
 from .cache import cache
 from ..view.captured_graph import CapturedGraph
@@ -31,7 +30,8 @@ from ..errors import FallbackWarning, Unsupported, _Fallback
 from .runtime_ops import WrongGradient
 from ..graph.saved import ForeignHooks
 from ..view import explain
-from ..graph.walk import OPAQUE, BackwardCall, walk_backward
+from ..graph.kinds import OPAQUE
+from ..graph.walk import BackwardCall, walk_backward
 
 log = logging.getLogger("gradfx")
 
