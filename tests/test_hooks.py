@@ -255,3 +255,54 @@ def test_node_hooks_added_and_removed_between_cached_steps():
             model[4](model[2](h).tanh()).sum().backward()
         return params, step
     run_both(build, iterations=4, expect_captures=2, strict=True)
+
+
+
+def _count_nodes(root) -> int:
+    seen, todo = set(), [root.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            todo += [f for f, _ in fn.next_functions]
+    return len(seen)
+
+
+def test_node_hooks_found_when_the_walk_stops_probing_early(monkeypatch):
+    """A walk probes nodes for hook dicts only until it has found every live one; a dict
+    on another live graph keeps it probing to the end.  The hooks sit on the root, on
+    the first layer (discovered late) and, emptied by a removed handle, in between."""
+    from gradfx.capture.graph import hooks as hook_finder
+    probed = []
+    real_probe = hook_finder._probe_node
+    monkeypatch.setattr(hook_finder, "_probe_node", lambda node: probed.append(node) or real_probe(node))
+
+    def build(log):
+        model = _mlp()
+        other = []
+
+        def step():
+            x = torch.randn(4, 6)
+            h = model[0](x)
+            h.grad_fn.register_prehook(lambda go: log.append(("first layer pre", _snap(go))))
+            mid = model[2](h.relu())
+            mid.grad_fn.register_hook(lambda gi, go: None).remove()  # an empty, live dict
+            out = model[4](mid.tanh()).sum()
+            out.grad_fn.register_hook(lambda gi, go: log.append(("root post", _snap(gi), _snap(go))))
+            other.clear()
+            if len(log) % 4 == 2:  # another live graph with a hook dict of its own
+                other.append(model[0](x).sum())
+                other[0].grad_fn.register_prehook(lambda go: None)
+            out.backward()
+        return list(model.parameters()), step
+    run_both(build, iterations=4, strict=True)
+
+    model = _mlp()
+    h = model[0](torch.randn(4, 6))
+    h.grad_fn.register_prehook(lambda go: None)
+    out = model[4](model[2](h.relu()).tanh()).sum()
+    total = _count_nodes(out)
+    probed.clear()
+    with gradfx.compiled_autograd(backend="eager", strict=True):
+        out.backward()
+    assert 0 < len(probed) < total - 2, f"probed {len(probed)} of {total} nodes after finding the only dict"

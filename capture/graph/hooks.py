@@ -12,7 +12,8 @@ A leaf's hooks are visible on the tensor (``_backward_hooks``,
   probing (on this thread) it raises with the dict it was given, so
   ``node.register_prehook(None)`` reads the node's pre-hook dict and leaves the
   node unchanged.  Probing is needed only while some node-hook dict is alive;
-  the wrapper counts them (weakly).
+  the wrapper counts them (weakly), and a walk stops probing once it has found
+  them all.
 * hooks on non-leaf tensors (tensor pre-hooks of their ``grad_fn``): the wrapper
   of ``Tensor.register_hook`` records the tensor's hook dict by ``id(grad_fn)``,
   with the node's type and sequence number as a witness against a reused id;
@@ -129,9 +130,27 @@ def install() -> None:
         _HookMixin._register_hook = staticmethod(_register_node_hook)
 
 
-def active() -> bool:
-    """Cheap test: could any node of a graph have hooks this module must find?"""
-    return bool(_tensor_pre) or bool(_retained) or bool(_node_dicts)
+def active() -> "WalkState | None":
+    """For one walk: None if no node of any graph can have hooks this module must find
+    (the cheap, common case), else the walk's :class:`WalkState`."""
+    if _tensor_pre or _retained or _node_dicts:
+        return WalkState(len(_node_dicts))
+    return None
+
+
+class WalkState:
+    """What one walk still has to find: the live node-hook dicts not yet seen.
+
+    Every node-hook dict is created through the registration wrapper, so once a walk
+    has found all of them on its nodes, no later node of the walk has one and the
+    probe (two caught exceptions per node) is skipped.  Dicts of other live graphs
+    are never found here; then every node is probed, as before.
+    """
+
+    __slots__ = ("unfound",)
+
+    def __init__(self, unfound: int):
+        self.unfound = unfound
 
 
 def _probe_node(node) -> tuple:
@@ -180,12 +199,12 @@ class Found:
         return out
 
 
-def collect(node, variable, retained, active: bool) -> Found | None:
+def collect(node, variable, retained, active: WalkState | None) -> Found | None:
     """Every hook of ``node`` (``variable``: its leaf, for an accumulator), or None.
 
     ``retained``: (output_nr, tensor) of the retain_grad() tensors whose grad_fn
-    is ``node``; ``active``: :func:`active` (when False only a leaf's own hooks
-    are read).
+    is ``node``; ``active``: the walk's :func:`active` (when None only a leaf's own
+    hooks are read).
     """
     found = None
     if variable is not None:
@@ -207,8 +226,11 @@ def collect(node, variable, retained, active: bool) -> Found | None:
     if retained:
         found = found or Found()
         found.retain = list(retained)
-    if _node_dicts:
+    if active.unfound and _node_dicts:
         pre, post = _probe_node(node)
+        for d in (pre, post):
+            if d is not None and id(d) in _node_dicts:
+                active.unfound -= 1
         if pre or post:
             found = found or Found()
             found.pre = list(pre.values()) if pre else ()
