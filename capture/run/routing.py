@@ -107,25 +107,38 @@ class running_backward:
 
 def torch_internal(tensors) -> bool:
     """Is this backward torch's own (tracing, functorch), not the user's?"""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
     for t in tensors:
-        if (isinstance(t, (FakeTensor, FunctionalTensor)) or t.is_meta or torch._is_functional_tensor(t)
-                or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and _traced_subclass(t):
             return True
-    if torch._C._len_torch_dispatch_stack() == 0 and not _infra_modes():
+        if t.is_meta or _is_functional_tensor(t) or _is_functorch_wrapped(t):
+            return True
+    if _dispatch_stack_len() == 0 and not _infra_modes():
         return False
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     return any(type(m).__name__ in _TRACING_MODES for m in _get_current_dispatch_mode_stack())
 
+
+def _traced_subclass(t) -> bool:
+    # Imported here: fake and functional tensors load with torch's tracing machinery.
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+_is_functional_tensor = torch._is_functional_tensor
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE, _PROXY, _FUNCTIONAL = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                               torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 # torch's own tracing modes; a user's TorchDispatchMode (FlopCounterMode, ...) is not one.
 _TRACING_MODES = frozenset({"ProxyTorchDispatchMode", "FakeTensorMode", "FunctionalTensorMode"})
 
 
 def _infra_modes() -> bool:
-    from torch._C import _TorchDispatchModeKey as Key
-    return any(torch._C._get_dispatch_mode(k) is not None for k in (Key.FAKE, Key.PROXY, Key.FUNCTIONAL))
+    return (_get_dispatch_mode(_FAKE) is not None or _get_dispatch_mode(_PROXY) is not None
+            or _get_dispatch_mode(_FUNCTIONAL) is not None)
 
 
 def install() -> None:
