@@ -38,7 +38,7 @@ def test_walker_equals_generic_walk(name):
         model(torch.randn(*shape)).sum().backward()
     walker = _walker()
     loss = model(torch.randn(*shape)).sum()
-    nodes, owned, inputs, sizes, seq = walker((loss,), (torch.ones(()),), ())
+    nodes, owned, inputs, sizes, seq = walker((loss,), (torch.ones(()),), (), True)
     generic = walk_backward((loss,), (torch.ones(()),), (), True)  # adopts what the walker took
     assert (generic.key, walker.structure[1]) == walker.structure
     assert generic.sizes == sizes
@@ -63,7 +63,7 @@ def test_walker_rejects_other_structures():
                  b(a(x)).relu().sum(),              # another node type
                  b(a(x.t().contiguous().t())).sum(),  # input stays, but a saved tensor is non-contiguous
                  b(a(torch.randn(3, 4))).sum()]:    # other sizes: accepted, sizes differ
-        found = walker((loss,), (torch.ones(()),), ())
+        found = walker((loss,), (torch.ones(()),), (), True)
         if found is not None:
             assert found[3] != walk_backward((b(a(x)).sum(),), (torch.ones(()),), (), True).sizes
 
@@ -159,3 +159,44 @@ def test_walker_taken_on_every_kind_of_graph(name):
                  expect_captures=2 if name == "tensor_hooks" else 1, strict=True)
     # Every cache hit went through the generated walker (3 steps of 4 for toggled hooks).
     assert taken.count == (3 if name == "tensor_hooks" else 4)
+
+
+# One graph structure, differentiated in every way a caller can: the walker generated
+# for one kind of call must never answer another (a backward reusing an autograd.grad
+# graph would return nothing and write .grad; inputs= lists of other lengths would
+# read past the end).
+_CALLS = {
+    "grad[y, z]": lambda loss, y, z: torch.autograd.grad(loss, [y, z]),
+    "grad[z, y]": lambda loss, y, z: torch.autograd.grad(loss, [z, y]),
+    "grad[y]": lambda loss, y, z: torch.autograd.grad(loss, [y]),
+    "backward": lambda loss, y, z: loss.backward(),
+    "backward(inputs=[y, z])": lambda loss, y, z: loss.backward(inputs=[y, z]),
+    "backward(inputs=[z])": lambda loss, y, z: loss.backward(inputs=[z]),
+    "backward([loss, y2])": lambda loss, y, z: torch.autograd.backward([loss, (y * 2).sum()]),
+}
+
+
+def _differentiate(first, second, engine):
+    torch.manual_seed(0)
+    y = torch.randn(2, 4, requires_grad=True)
+    z = torch.randn(2, 4, requires_grad=True)
+    seen = []
+    for name in (first, second, second):
+        with engine():
+            returned = _CALLS[name]((torch.sin(y) * z).sum(), y, z)
+        seen.append((returned, None if y.grad is None else y.grad.clone(),
+                     None if z.grad is None else z.grad.clone()))
+    return seen
+
+
+@pytest.mark.parametrize("first", sorted(_CALLS))
+def test_walker_only_answers_its_own_kind_of_call(first):
+    import contextlib
+    for second in _CALLS:
+        gradfx.reset()
+        eager = _differentiate(first, second, contextlib.nullcontext)
+        gfx = _differentiate(first, second, lambda: gradfx.compiled_autograd(backend="eager", strict=True))
+        for step, (e, g) in enumerate(zip(eager, gfx)):
+            assert (e[0] is None) == (g[0] is None) and len(e[0] or ()) == len(g[0] or ()), (first, second, step)
+            for a, b in zip(list(e[0] or ()) + list(e[1:]), list(g[0] or ()) + list(g[1:])):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (first, second, step)

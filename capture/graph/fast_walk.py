@@ -62,6 +62,11 @@ def generate(call: BackwardCall, tensors, structure):
     nodes = call.nodes
     n = len(nodes)
 
+    # The call itself: backward or autograd.grad, how many roots and inputs (part of
+    # the generic walk's key; a walker that skipped them would answer another call).
+    n_inputs = 0 if call.outputs is None else len(call.outputs)
+    src.bail_unless(f"accumulate is {call.accumulate} and len(tensors) == {len(call.roots)} "
+                    f"and len(grads) == {len(call.roots)} and len(inputs) == {n_inputs}")
     # Roots, then discovery in the generic walk's order: each edge is a new node or an old one.
     named = set()
     for k, (j, nr) in enumerate(call.roots):
@@ -145,7 +150,7 @@ def generate(call: BackwardCall, tensors, structure):
     src.emit(f"inputs = [{', '.join(inputs)}]")
     src.emit("return nodes, owned, inputs, sizes, s")
 
-    code = "def fast_walk(tensors, grads, inputs):\n" + "\n".join(src.lines) + "\n"
+    code = "def fast_walk(tensors, grads, inputs, accumulate):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, ctx_key=ctx_key,
                      materializes=function_materializes, SavedTensors=SavedTensors, partial=partial,
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,

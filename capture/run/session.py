@@ -144,7 +144,7 @@ class Session:
             if create_graph and accumulate_grad:
                 _warn_like_eager_once(engine)
             config = self._config_key if not create_graph else self._config_key_with_history
-            call, structure = self._fast_walk(tensors, grad_tensors, inputs, config)
+            call, structure = self._fast_walk(tensors, grad_tensors, inputs, accumulate_grad, config)
             if call is None:
                 call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph)
                 structure = (call.key, config)
@@ -169,12 +169,12 @@ class Session:
             return results
         return ()
 
-    def _fast_walk(self, tensors, grads, inputs, config):
+    def _fast_walk(self, tensors, grads, inputs, accumulate, config):
         """The generated walker of a known structure, if one accepts this graph."""
         fn = tensors[0].grad_fn
         for walker in fast_walk.walkers.candidates(type(fn), config):
             try:
-                found = walker(tensors, grads, inputs)
+                found = walker(tensors, grads, inputs or (), accumulate)
             except ForeignHooks:  # saved tensors now under the user's hooks
                 return None, None
             if found is not None:
