@@ -200,3 +200,20 @@ def test_walker_only_answers_its_own_kind_of_call(first):
             assert (e[0] is None) == (g[0] is None) and len(e[0] or ()) == len(g[0] or ()), (first, second, step)
             for a, b in zip(list(e[0] or ()) + list(e[1:]), list(g[0] or ()) + list(g[1:])):
                 assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (first, second, step)
+
+
+def test_walker_rejects_an_undefined_saved_tensor_where_one_was_saved():
+    """Index lists of one structure may hold a tensor or None at a position (y[i, j] vs
+    y[:, j]): the walker of the first must hand the second to the generic walk."""
+    def build(log):
+        y = torch.arange(1.0, 17).view(4, 4).requires_grad_()
+        indices = [(torch.tensor([[1, 2], [3, 0]]), torch.tensor([[0, 1], [2, 3]])),
+                   (slice(None), torch.tensor([2, 3]))]
+
+        def step():
+            y.grad = None
+            for idx in indices:
+                (y[idx] * 3).sum().backward()
+                log.append(("grad", snap(y.grad)))
+        return [y], step
+    run_both(build, iterations=2, expect_captures=2, strict=True)

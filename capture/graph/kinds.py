@@ -309,6 +309,7 @@ def _emit_saved_value(src, var, mask, m, i, call, k):
         src.bail_unless(f"{var} is None")
         return k, m + 1
     pos = call.records[i].saved[k]
+    src.bail_unless(f"{var} is not None")  # undefined now where it was saved before (index lists)
     emit_tensor(src, var, call, pos, call.inputs[pos])
     src.saved_names.setdefault(i, []).append(var)
     return k + 1, m + 1
