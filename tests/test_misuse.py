@@ -384,3 +384,25 @@ def test_checked_accumulation_still_steals_like_eager(monkeypatch):
             model(_x()).sum().backward()
         assert_same(grads_of(model.parameters()), _eager_grads())
     assert copies == []  # every first gradient was stolen, not copied, as eager does
+
+
+@pytest.mark.parametrize("call", ["backward", "grad"])
+def test_gradient_edge_as_root_falls_back_with_one_warning(call):
+    """A GradientEdge root is not captured: the eager engine runs it, once warned."""
+    def run(block):
+        torch.manual_seed(0)
+        x = torch.randn(3, requires_grad=True)
+        y = x.sin() * 2
+        edge = torch.autograd.graph.get_gradient_edge(y)
+        with block():
+            if call == "backward":
+                torch.autograd.backward(edge, torch.ones(3))
+                return (x.grad,)
+            return torch.autograd.grad(edge, x, torch.ones(3))
+    import contextlib
+    expected = run(contextlib.nullcontext)
+    with pytest.warns(gradfx.FallbackWarning, match="GradientEdge"):
+        got = run(lambda: gradfx.compiled_autograd(backend="eager"))
+    assert_same(expected, got)
+    with pytest.raises(gradfx.Unsupported, match="GradientEdge"):
+        run(lambda: gradfx.compiled_autograd(backend="eager", strict=True))

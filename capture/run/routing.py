@@ -108,6 +108,8 @@ class running_backward:
 def torch_internal(tensors) -> bool:
     """Is this backward torch's own (tracing, functorch), not the user's?"""
     for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue  # a GradientEdge: the block falls back for it
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and _traced_subclass(t):
             return True
         if t.is_meta or _is_functional_tensor(t) or _is_functorch_wrapped(t):
