@@ -103,3 +103,24 @@ def test_untouched_retained_graph_still_runs_and_matches_eager():
                 loss.backward(retain_graph=True)
         return w.grad
     assert torch.equal(run(False), run(True))
+
+
+def test_hooks_on_one_saved_variable_of_a_node_leave_the_others_alone():
+    """The user's pack/unpack hooks on one saved variable of a node that saves two: the
+    node runs as itself, its other variable untouched (it was left with an unpack hook
+    into an owner nobody kept: IndexError)."""
+    def run(block):
+        log = []
+        a = torch.tensor([1.0, 2.0], requires_grad=True)
+        b = torch.tensor([3.0, -1.0], requires_grad=True)
+        out = (a * 2) * b
+        out.grad_fn._raw_saved_self.register_hooks(lambda t: log.append("pack") or t,
+                                                   lambda t: log.append("unpack") or t)
+        with block():
+            out.sum().backward()
+        return a.grad, b.grad, log
+    import contextlib
+    expected = run(contextlib.nullcontext)
+    got = run(lambda: gradfx.compiled_autograd(backend="eager"))
+    assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
+    assert expected[2] == got[2] == ["pack", "unpack"]

@@ -168,13 +168,17 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     mask = []
     tensors = []
     grouped = False
-    for raw_attr, attr in zip(raw_attrs, tensor_attrs):
-        raw = getattr(node, raw_attr)
-        grouped |= type(raw) is tuple
-        group = raw if type(raw) is tuple else (raw,)
-        for var in group:
+    # Every variable is looked at before any is taken: one under the user's hooks (or
+    # an earlier run's) decides for the whole node, and a variable taken over by then
+    # would be left with an unpack hook into an owner nobody keeps.
+    raws = [getattr(node, raw_attr) for raw_attr in raw_attrs]
+    for raw, attr in zip(raws, tensor_attrs):
+        for var in (raw if type(raw) is tuple else (raw,)):
             if var.unpack_hook is not None:
                 return _adopt(node, var, attr, raw_attrs, tensor_attrs)
+    for raw, attr in zip(raws, tensor_attrs):
+        grouped |= type(raw) is tuple
+        group = raw if type(raw) is tuple else (raw,)
         # Unpacking without hooks runs eager's check that the tensor was not
         # modified in place since it was saved (and raises eager's error); once
         # hooks are registered the engine no longer checks.
