@@ -406,3 +406,12 @@ def test_gradient_edge_as_root_falls_back_with_one_warning(call):
     assert_same(expected, got)
     with pytest.raises(gradfx.Unsupported, match="GradientEdge"):
         run(lambda: gradfx.compiled_autograd(backend="eager", strict=True))
+
+
+def test_fallback_warning_points_at_the_users_backward_call():
+    x = torch.randn(3, requires_grad=True)
+    loss = x.sin().sum()
+    with gradfx.compiled_autograd(backend="eager"), torch.autograd.set_detect_anomaly(True):
+        with pytest.warns(gradfx.FallbackWarning) as caught:
+            loss.backward()
+    assert [w.filename for w in caught if issubclass(w.category, gradfx.FallbackWarning)] == [__file__]

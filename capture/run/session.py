@@ -10,8 +10,9 @@ captured runs on the eager engine instead, with one warning per block and reason
 from __future__ import annotations
 
 import contextlib
-import sys
 import logging
+import os
+import sys
 import time
 import warnings
 
@@ -187,7 +188,7 @@ class Session:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"gradfx: running this backward on the eager engine: {reason}",
-                          FallbackWarning, stacklevel=4)
+                          FallbackWarning, stacklevel=_user_stacklevel())
         self._count("fallbacks")
         return engine.run_backward(*args)
 
@@ -295,7 +296,7 @@ class Session:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"gradfx: {reason}; running the graph on the eager backend", FallbackWarning,
-                          stacklevel=6)
+                          stacklevel=_user_stacklevel())
 
     def _run(self, entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
         inputs = call.inputs
@@ -338,6 +339,20 @@ class Session:
                 if owned[i] is not None:
                     owned[i].release()
         return out
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_INTERNAL = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) + tuple(
+    os.path.join(_ROOT, d) + os.sep for d in ("capture", "backends", "reorder"))
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` for a warning raised by our caller: the first frame outside torch
+    and gradfx (the user's backward call), however many wrappers lie between."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _eager_refuses(tensors, inputs) -> bool:
