@@ -163,7 +163,8 @@ class NodeRecord:
 class Walk:
     """What the generic walk accumulates: key, sizes and inputs, in the order walked."""
 
-    def __init__(self, grads, retained):
+    def __init__(self, grads, index: dict):
+        """``index``: id(node) -> node index, to find the retain_grad() tensors of the nodes."""
         self.key: list = []
         self.sizes: list = []
         self.inputs: list = list(grads)
@@ -171,8 +172,9 @@ class Walk:
         self.input_owner: list = [-1] * len(grads)
         self.tensor_slots: dict = {}  # input position -> (shape start, ndim, stride start or -1)
         self.owned: dict = {}  # node index -> SavedTensors
-        self.retained = retained  # node index -> [(output_nr, tensor)] for retain_grad()
-        self.hooks_active = hooks.active()
+        self.hooks_active = hooks.active()  # one state per walk: it counts the hook dicts found
+        # node index -> [(output_nr, tensor)] for retain_grad()
+        self.retained = hooks.retained_by_node(index) if self.hooks_active else {}
 
     def add_input(self, value, kind: str, owner: int) -> int:
         self.inputs.append(value)

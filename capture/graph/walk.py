@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import _Fallback
-from . import distributed, hooks
+from . import distributed
 from .kinds import ACCUMULATE, NodeRecord, Walk, kind_of, walk_hooks
 
 class StructureKey:
@@ -200,7 +200,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool =
         if reason:
             raise _Fallback(reason)
 
-    w = Walk(grads, hooks.retained_by_node(index) if hooks.active() else {})
+    w = Walk(grads, index)
     w.key += [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate, create_graph]
     for k, g in enumerate(grads):
         w.key.append(w.tensor(g, k))
