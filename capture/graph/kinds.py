@@ -468,7 +468,13 @@ class FunctionKind:
         walk_metas(w, rec, node)
         if traceable:  # ctx attributes are baked into the traced formula
             w.key.append(ctx_key(node))
-        owned = walk_saved(w, rec, i, node, info)
+        if getattr(node._forward_cls, "clear_saved_tensors_on_access", False):
+            # Reading ctx.saved_tensors would free them (and leave the raw variables
+            # dangling): the user's backward is the only one to read them.
+            w.key.append(OPAQUE)
+            owned = False
+        else:
+            owned = walk_saved(w, rec, i, node, info)
         rec.node_input = w.add_input(node, "node", i)
         walk_hooks(w, rec, i, node)
         return FUNCTION if owned and traceable else OPAQUE
