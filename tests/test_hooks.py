@@ -297,6 +297,9 @@ def test_node_hooks_found_when_the_walk_stops_probing_early(monkeypatch):
         return list(model.parameters()), step
     run_both(build, iterations=4, strict=True)
 
+    # Graphs of earlier tests may still be alive with hook dicts of their own, which
+    # would rightly keep the walk probing: count only this graph's.
+    monkeypatch.setattr(hook_finder, "_node_dicts", {})
     model = _mlp()
     h = model[0](torch.randn(4, 6))
     h.grad_fn.register_prehook(lambda go: None)
