@@ -302,7 +302,7 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             ctx = example_inputs[position[node.args[0]]]
             cls = type(ctx)._forward_cls
             mask = node.meta.get("gradfx_saved_mask")
-            if mask is None or cls.__name__ in _OPAQUE_FUNCTIONS:
+            if mask is None or cls.__name__ in _OPAQUE_FUNCTIONS or _engine_materializes(ctx, node.args[3:]):
                 nested |= cls.__name__ in _NESTED_BACKWARD
                 _as_custom_op(graph, node, adapter, position)
             else:
@@ -326,6 +326,12 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
     adapter.contexts = sorted(set(adapter.contexts))
     graph.lint()
     return fx.GraphModule(gm, graph), adapter
+
+
+def _engine_materializes(ctx, grads) -> bool:
+    """Does call_backward ask the engine for some of these gradients (see stands_in)?"""
+    return ctx.__dict__.get("_gradfx_materialize_grads", True) and any(
+        g is None and runtime_ops.stands_in(m) for g, m in zip(grads, ctx._input_metadata))
 
 
 def _as_rebuilt_backward(graph, node, cls, ctx, mask, saved_nodes):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.autograd.variable import Variable
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 
@@ -142,10 +143,75 @@ def call_backward(ctx, metas, must_be_defined, *grads):
     """
     if ctx.__dict__.get("_gradfx_materialize_grads", True) and any(g is None for g in grads):
         metadata = ctx._input_metadata
-        grads = tuple(torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
-                      for g, m in zip(grads, metadata))
+        if any(g is None and stands_in(m) for g, m in zip(grads, metadata)):
+            grads = materialized_by_engine(ctx, grads)
+        else:
+            grads = tuple(torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
+                          for g, m in zip(grads, metadata))
     outs = function_outputs(ctx.name(), ctx.needs_input_grad, ctx.apply(*grads), [m is not None for m in metas])
     return finish_outputs(ctx.name(), outs, metas, must_be_defined)
+
+
+def stands_in(meta) -> bool:
+    """Might this input metadata of a custom Function's node be a stand-in?
+
+    An output marked non-differentiable, or one that is not a tensor, gets a
+    default-constructed metadata entry (a float32 CPU scalar); PyNode materializes
+    its missing gradient from the forward output's own shape and dtype (or passes
+    None), which Python cannot read.  A real float32 CPU scalar output looks the same.
+    """
+    return meta.dtype is torch.float32 and len(meta.shape) == 0 and meta.device.type == "cpu" \
+        and not meta.is_nested_tensor
+
+
+class _Materialized(Exception):
+    def __init__(self, grads):
+        super().__init__("gradfx: materialized gradients (never seen by users)")
+        self.grads = grads
+
+
+def materialized_by_engine(ctx, grads) -> tuple:
+    """The gradients PyNode::apply would pass to ``ctx``'s backward, from the engine.
+
+    Where a missing gradient's slot has a stand-in metadata entry, only the engine
+    knows what to pass: it is asked to run the node with the defined gradients as
+    roots, and the node's ``apply`` is replaced for that call by one that records
+    its arguments and stops the engine before the user's backward runs.  Nothing
+    else runs: the node has no hooks (the capture checks), and the engine stops
+    inside the node.
+    """
+    metadata = ctx._input_metadata
+    roots = [k for k, g in enumerate(grads) if g is not None]
+    given = list(grads)
+    if not roots:
+        # Eager materializes every slot; a slot with real metadata can be the root.
+        real = [k for k, m in enumerate(metadata) if not stands_in(m)]
+        if not real:
+            raise RuntimeError(f"gradfx: {ctx.name()} received no gradient at all and its outputs' shapes "
+                               "cannot be read; run this backward on the eager engine")
+        m = metadata[real[0]]
+        given[real[0]] = torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+        roots = real[:1]
+    edges = [torch.autograd.graph.GradientEdge(n, nr) for n, nr in ctx.next_functions if n is not None]
+    if not edges:
+        return tuple(given)
+
+    def record(*args):
+        raise _Materialized(args[0] if len(args) == 1 and type(args[0]) is list else args)
+
+    attrs = ctx.__dict__
+    attrs["apply"] = attrs["apply_boxed"] = record
+    try:
+        # The C++ engine itself, not gradfx's routing in front of it (see run.routing).
+        engine = Variable._execution_engine
+        engine = getattr(engine, "engine", engine)
+        engine.run_backward(tuple(torch.autograd.graph.GradientEdge(ctx, k) for k in roots),
+                            tuple(given[k] for k in roots), True, False, tuple(edges[:1]), True, False)
+    except _Materialized as done:
+        return tuple(g if g is not None else m for g, m in zip(grads, done.grads))
+    finally:
+        del attrs["apply"], attrs["apply_boxed"]
+    raise RuntimeError(f"gradfx: the engine did not run {ctx.name()} to materialize its gradients")
 
 
 def function_outputs(name: str, needs_input_grad, result, valid_edges) -> list:

@@ -41,6 +41,7 @@ from .shapes import SymbolicSizes
 from ..graph.saved import substitute
 from ..graph.kinds import ACCUMULATE, FUNCTION, OPAQUE, TRACED
 from ..graph.walk import BackwardCall
+from ..errors import _Fallback
 
 log = logging.getLogger("gradfx")
 
@@ -262,6 +263,8 @@ class _Tracer:
         before = (graph._root.prev, len(self.shape_env.guards))
         try:
             if ctx.__dict__.get("_gradfx_materialize_grads", True):
+                if self.stand_ins(i, grads):
+                    return None  # only the engine knows those gradients' shapes: runs opaque
                 grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1]) if g is None else g
                          for k, g in enumerate(grads)]
             return runtime_ops.function_outputs(ctx.name(), ctx.needs_input_grad, ctx.apply(*grads),
@@ -269,6 +272,12 @@ class _Tracer:
         except Exception as err:
             self.undo(before, i, err)
             return None
+
+    def stand_ins(self, i, grads) -> list:
+        """Slots of custom Function node ``i`` without a gradient whose metadata may be a
+        stand-in (a non-differentiable or non-tensor output: see runtime_ops.stands_in)."""
+        metadata = self.call.nodes[i]._input_metadata
+        return [k for k, g in enumerate(grads) if g is None and runtime_ops.stands_in(metadata[k])]
 
     def undo(self, before: tuple, i: int, err: Exception) -> None:
         """Erase what a failed attempt to trace node ``i`` recorded after ``before``:
@@ -299,9 +308,14 @@ class _Tracer:
         function = isinstance(node, BackwardCFunction)
         if function and node.__dict__.get("_gradfx_materialize_grads", True):
             # PyNode's zeros for gradients known to be None here (the graph shows them);
-            # call_backward still materializes those that turn out None at run time.
+            # call_backward materializes those that turn out None at run time, and those
+            # whose metadata is a stand-in (it asks the engine, which runs the node's hooks).
+            stand_ins = self.stand_ins(i, grads)
+            if stand_ins and self.call.records[i].hooks is not None:
+                raise _Fallback(f"{label} has hooks and an output without a gradient that is not a "
+                                "differentiable tensor (its gradient's shape is known only to the engine)")
             grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1], device=self.meta(i, k)[2])
-                     if g is None else g for k, g in enumerate(grads)]
+                     if g is None and k not in stand_ins else g for k, g in enumerate(grads)]
         fn = runtime_ops.call_backward if function else runtime_ops.call_node
         outs = self.python_call(fn, (_Input(node_input), tuple(metas), (False,) * len(metas)) + tuple(grads),
                                 tuple(like), label, "opaque")
