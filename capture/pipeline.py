@@ -46,6 +46,7 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
     run ``passes``, wrap the result and ``compile(gm, example_inputs)`` it if given.
     Raises ``_Fallback`` if it cannot be traced."""
     from .trace.shapes import Guard, SymbolicSizes  # sympy and fake tensors: not at import
+    from .trace import layouts
     from .trace.tracer import trace_backward
     window = torch_caches.Window()  # what tracing adds to torch's caches goes with the graph
     try:
@@ -66,6 +67,7 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
             describe = lambda p: explain.describe_position(call, p)  # noqa: E731
             guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
             size_positions = symbolic.positions if symbolic is not None else []
+            layouts.generalize_views(trace.graph)
             annotate.apply(trace.graph, call, names, grad_inputs)
             records = reorder.run_pipeline(trace.graph, passes, keep_code)
             examples = [call.sizes[p] for p in size_positions] + list(call.inputs)

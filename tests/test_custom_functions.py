@@ -370,3 +370,169 @@ def test_backward_result_count_as_eager(fn):
         assert got == expected and "incorrect number of gradients" in expected
     else:
         assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+class WithSideOutputs(torch.autograd.Function):
+    """Outputs without gradient edges: an int index tensor and a float tensor marked
+    non-differentiable, a Python number; plus a differentiable float scalar."""
+
+    @staticmethod
+    def forward(ctx, x, materialize_non_diff):
+        ctx._materialize_non_diff_grads = materialize_non_diff
+        idx = x.argmax(-1)
+        stats = x.detach().mean(-1, keepdim=True)
+        ctx.mark_non_differentiable(idx, stats)
+        ctx.save_for_backward(x)
+        return x.exp(), idx, stats, x.shape[0], x.sum()
+
+    @staticmethod
+    def backward(ctx, g_exp, g_idx, g_stats, g_n, g_sum):
+        ctx.log.append(("received",) + tuple(None if g is None else (g.shape, g.dtype, g) for g in
+                                             (g_exp, g_idx, g_stats, g_n, g_sum)))
+        x, = ctx.saved_tensors
+        return g_exp * x.exp() + g_sum, None
+
+
+@pytest.mark.parametrize("materialize_non_diff", [True, False])
+def test_function_backward_receives_eager_zeros_for_outputs_without_edges(materialize_non_diff):
+    """Eager passes zeros of the forward output's own shape and dtype for an output marked
+    non-differentiable (None with _materialize_non_diff_grads=False) and None for a
+    non-tensor output; their metadata entries are stand-ins that Python cannot read,
+    so gradfx asks the engine.  Batch sizes change between steps (cache hits)."""
+
+    def build(log):
+        w = torch.randn(5, 3, requires_grad=True)
+
+        def step():
+            rows = 4 + len(log) % 3
+            x = torch.randn(rows, 5) @ w
+            out, idx, stats, n, total = WithSideOutputs.apply(x, materialize_non_diff)
+            out.grad_fn.log = log
+            out.sum().backward()
+        return [w], step
+
+    log = run_both(build, iterations=4, expect_captures=3, dynamic=False)  # the 4th step hits
+    g_idx, g_stats, g_n = log[0][2:5]
+    if materialize_non_diff:
+        assert g_idx[0] == (4,) and g_idx[1] is torch.int64 and g_stats[0] == (4, 1)
+    else:
+        assert g_idx is None and g_stats is None
+    assert g_n is None and log[0][5][0] == ()  # the unused differentiable scalar: zeros
+
+
+def test_function_with_hooked_outputs_without_edges_falls_back():
+    """Asking the engine would run the node's hooks a second time: that backward runs eagerly."""
+    w = torch.randn(5, 3, requires_grad=True)
+    x = torch.randn(4, 5)
+    results = []
+    for under_gradfx in (False, True):
+        w.grad, calls, log = None, [], []
+        out, *_ = WithSideOutputs.apply(x @ w, True)
+        out.grad_fn.log = log
+        out.register_hook(lambda g: calls.append(snap(g)))
+        if under_gradfx:
+            with pytest.warns(gradfx.FallbackWarning, match="not a differentiable tensor"):
+                with gradfx.compiled_autograd(backend="eager"):
+                    out.sum().backward()
+        else:
+            out.sum().backward()
+        results.append((snap(w.grad), calls, log))
+    assert_same(results[0][0], results[1][0])
+    assert len(results[1][1]) == 1 and torch.equal(results[0][1][0], results[1][1][0])
+    assert results[1][2][0][2][1] is torch.int64
+
+
+class ClearedOnAccess(torch.autograd.Function):
+    """clear_saved_tensors_on_access: reading ctx.saved_tensors frees them."""
+
+    clear_saved_tensors_on_access = True
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        import weakref
+        x, w = ctx.saved_tensors
+        gx, gw = g @ w.t(), x.t() @ g
+        ref = weakref.ref(w)
+        del w
+        ctx.log.append(("saved weight freed after del", ref() is None))
+        return gx, gw
+
+
+def test_function_clearing_saved_tensors_on_access():
+    """gradfx must not read them first (that freed them under its raw handles: a segfault)."""
+
+    def build(log):
+        lin = nn.Linear(4, 4)
+        w = torch.randn(4, 3, requires_grad=True)
+
+        def step():
+            y = ClearedOnAccess.apply(lin(torch.randn(5, 4)), w * 1.0)
+            y.grad_fn.log = log
+            y.sin().sum().backward()
+            # Both raise; eager names the first node it runs, gradfx the first one it reads.
+            log.append(("second backward raises", _error_of(lambda: y.sum().backward()) is not None))
+        return [w] + list(lin.parameters()), step
+
+    run_both(build)
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except RuntimeError as err:
+        return str(err).split("\n")[0]
+    return None
+
+
+class TransposedGrad(torch.autograd.Function):
+    """Returns its gradient in column-major layout: same values, other strides."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.t().contiguous().t()
+
+
+class ExpandedGrad(torch.autograd.Function):
+    """A sum over the last dimension whose backward returns an expanded (stride-0) gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return x.sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.unsqueeze(-1).expand(ctx.shape)
+
+
+@pytest.mark.parametrize("source", ["function", "expand", "hook"])
+def test_gradients_laid_out_otherwise_by_python_reach_views(source):
+    """A gradient from Python is traced as if contiguous; the formula after it reshapes
+    it (traced as a view), which must copy at run time as eager's reshape does."""
+
+    def build(log):
+        w = torch.randn(4, 6, requires_grad=True)
+
+        def step():
+            x = w.view(6, 4).t().contiguous().t()  # ViewBackward0 will reshape a (6, 4) gradient
+            if source == "function":
+                y = TransposedGrad.apply(x)
+            elif source == "expand":  # a (3, 8) gradient with strides (1, 0) into w.view's backward
+                y = ExpandedGrad.apply(w.view(3, 8)).unsqueeze(-1).expand(3, 8).reshape(6, 4)
+            else:
+                y = x * 1
+                y.register_hook(lambda g: log.append(("hook", g)) or g.t().contiguous().t())
+            (y * torch.randn(6, 4)).sum().backward()
+            log.append(("grad strides", w.grad.stride()))
+        return [w], step
+
+    run_both(build)
