@@ -536,3 +536,34 @@ def test_gradients_laid_out_otherwise_by_python_reach_views(source):
         return [w], step
 
     run_both(build)
+
+
+class ToFloat64(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(torch.float64) * 2
+
+
+@pytest.mark.parametrize("through", ["function", "builtin"])
+def test_leaf_grad_dtype_is_what_accumulation_casts_to(through):
+    """Tensor.grad_dtype: the leaf's gradient is cast to it (None: kept as it comes);
+    changed between steps, it must not reuse a graph built for another."""
+    dtypes = ["default", torch.float16, None, torch.float16, "default", torch.float64]
+
+    def build(log):
+        w = torch.randn(3, 4, requires_grad=True)
+
+        def step():
+            w.grad = None
+            setting = dtypes[len(log)]
+            w.grad_dtype = w.dtype if setting == "default" else setting
+            y = ToFloat64.apply(w) if through == "function" else (w.double() * 3).float()
+            (y * torch.randn(3, 4)).sum().backward()
+            log.append(("grad", w.grad))
+        return [w], step
+
+    run_both(build, iterations=len(dtypes), expect_captures=4)

@@ -399,7 +399,7 @@ class AccumulateKind:
         # An accumulator's one input has the leaf's shape and dtype: its metadata is
         # the leaf's own, so the leaf's sizes serve as the metadata's.
         rec.meta_start = len(w.sizes)
-        w.key.append((w.tensor(var, None), var.requires_grad))
+        w.key.append((w.tensor(var, None), var.requires_grad, var.grad_dtype))
         rec.node_input = w.add_input(var, "variable", i)
         walk_hooks(w, rec, i, node, var)
         return ACCUMULATE
@@ -407,7 +407,7 @@ class AccumulateKind:
     def check(self, src, i, node, info, call) -> None:
         v = node.variable
         src.emit(f"v{i} = n{i}.variable")
-        src.bail_unless(f"v{i}.requires_grad is {v.requires_grad}")
+        src.bail_unless(f"v{i}.requires_grad is {v.requires_grad} and v{i}.grad_dtype is {src.const(v.grad_dtype)}")
         src.emit(f"sh = v{i}.shape")
         src.bail_unless(f"len(sh) == {v.dim()} and v{i}.dtype is {src.const(v.dtype)} "
                         f"and v{i}.layout is {src.const(v.layout)} and {_device_check(src, f'v{i}', v.device)} "

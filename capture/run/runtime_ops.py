@@ -283,7 +283,7 @@ def validate_output(grad, shape, dtype, node_name: str, index: int):
                 f"Function {node_name} returned an invalid gradient at index {index} - got "
                 f"{list(grad.shape)} but expected shape compatible with {list(shape)}")
         grad = grad.sum_to_size(shape)
-    if grad.dtype != dtype:
+    if grad.dtype != dtype and dtype is not None:  # None: a leaf whose grad_dtype is None
         grad = grad.to(dtype)
     return grad
 

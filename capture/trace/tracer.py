@@ -145,12 +145,15 @@ class _Tracer:
 
     def meta(self, i, nr):
         """(shape, dtype, device) of input ``nr`` of node ``i``, sizes symbolic where they are."""
-        m = self.call.nodes[i]._input_metadata[nr]
+        node = self.call.nodes[i]
+        m = node._input_metadata[nr]
+        # A leaf's gradient is cast to its grad_dtype (None: kept as it comes).
+        dtype = node.variable.grad_dtype if self.call.records[i].kind is ACCUMULATE else m.dtype
         if self.symbolic is None:
-            return tuple(m.shape), m.dtype, m.device
+            return tuple(m.shape), dtype, m.device
         start = self.call.records[i].meta_start + sum(
             len(m.shape) for m in self.call.nodes[i]._input_metadata[:nr])
-        return tuple(self.symbolic.values(start, len(m.shape))), m.dtype, m.device
+        return tuple(self.symbolic.values(start, len(m.shape))), dtype, m.device
 
     def proxy(self, x):
         return get_proxy_slot(x, self.tracer).proxy
