@@ -156,3 +156,42 @@ def test_gradient_accumulation_does_not_recapture():
 def test_deep_chain_no_recursion_limit():
     model = lambda: nn.Sequential(*[nn.Linear(4, 4) for _ in range(400)])
     compare_training(model, lambda: (torch.randn(2, 4),), iterations=2)
+
+
+def test_user_dispatch_modes_around_backward_see_the_backward_as_in_eager():
+    """A TorchDispatchMode (a logging mode, FlopCounterMode) entered around backward()
+    sees the same aten calls as in eager, on the capturing call and on cache hits; it
+    does not see gradfx's walk or tracing (under such a mode, the walk's take-over of
+    saved tensors used to fail and the backward raised)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 2))
+    for make_mode, seen in ((Log, lambda m: m.ops), (lambda: FlopCounterMode(display=False),
+                                                     lambda m: m.get_total_flops())):
+        gradfx.reset()
+        results = []
+        for engine in ("eager", "gradfx", "gradfx"):
+            model.zero_grad(set_to_none=True)
+            loss = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(1))).sum()
+            with make_mode() as mode:
+                if engine == "gradfx":
+                    with gradfx.compiled_autograd(backend="eager", strict=True):
+                        loss.backward()
+                else:
+                    loss.backward()
+            results.append((seen(mode), [p.grad.clone() for p in model.parameters()]))
+        for got in results[1:]:
+            assert got[0] == results[0][0]
+            assert all(torch.equal(a, b) for a, b in zip(got[1], results[0][1]))
+        assert gradfx.stats()["cache_hits"] == 1

@@ -18,6 +18,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ... import backends, reorder
 from ...backends.identity import Key, callable_key
@@ -33,6 +34,8 @@ from ..graph.saved import ForeignHooks
 from ..view import explain
 from ..graph.kinds import OPAQUE
 from ..graph.walk import BackwardCall, walk_backward
+
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
 
 log = logging.getLogger("gradfx")
 
@@ -133,30 +136,14 @@ class Session:
             # words.  Nothing ran, so nothing is counted and nothing is warned.
             return engine.run_backward(*args)
         try:
-            if torch.is_anomaly_enabled():
-                raise _Fallback("anomaly detection is enabled")
-            for t in tuple(tensors) + tuple(inputs or ()):
-                if not isinstance(t, torch.Tensor):
-                    raise _Fallback(f"a GradientEdge ({type(t).__name__}) as root or input")
-                if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-                    raise _Fallback(f"a tensor subclass ({type(t).__name__})")
-            if any(g is None for g in grad_tensors):
-                raise _Fallback("a root without a gradient")  # eager raises the error
-            if create_graph and accumulate_grad:
-                _warn_like_eager_once(engine)
-            config = self._config_key if not create_graph else self._config_key_with_history
-            call, structure = self._fast_walk(tensors, grad_tensors, inputs, accumulate_grad, config)
-            if call is None:
-                call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph)
-                structure = (call.key, config)
-            entry = cache.lookup(structure, call.sizes)
-            if entry is None:
-                entry = self._capture(call, structure, tensors, () if accumulate_grad else inputs)
-                self._count("captures")
+            if _dispatch_stack_len():
+                # The user's dispatch modes (FlopCounterMode, ...) see the backward's
+                # compute, as in eager; not gradfx's walk, tracing and compiling.
+                with _disable_current_modes():
+                    entry, call = self._prepare(tensors, grad_tensors, inputs, accumulate_grad, create_graph,
+                                                engine)
             else:
-                if entry.failed is not None:  # before anything is released
-                    self._backend_failed(entry.failed, None)
-                self._count("cache_hits")
+                entry, call = self._prepare(tensors, grad_tensors, inputs, accumulate_grad, create_graph, engine)
         except _Fallback as fb:
             return self._fallback(engine, args, fb.reason)
         results = self._run(entry, call, keep_graph)
@@ -169,6 +156,35 @@ class Session:
                         raise RuntimeError(unused_input_message(k))
             return results
         return ()
+
+    def _prepare(self, tensors, grad_tensors, inputs, accumulate_grad, create_graph, engine):
+        """Walk the graph and find (or capture) its compiled backward: (entry, call).
+        Raises _Fallback for what gradfx does not capture."""
+        if torch.is_anomaly_enabled():
+            raise _Fallback("anomaly detection is enabled")
+        for t in tuple(tensors) + tuple(inputs or ()):
+            if not isinstance(t, torch.Tensor):
+                raise _Fallback(f"a GradientEdge ({type(t).__name__}) as root or input")
+            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+                raise _Fallback(f"a tensor subclass ({type(t).__name__})")
+        if any(g is None for g in grad_tensors):
+            raise _Fallback("a root without a gradient")  # eager raises the error
+        if create_graph and accumulate_grad:
+            _warn_like_eager_once(engine)
+        config = self._config_key if not create_graph else self._config_key_with_history
+        call, structure = self._fast_walk(tensors, grad_tensors, inputs, accumulate_grad, config)
+        if call is None:
+            call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph)
+            structure = (call.key, config)
+        entry = cache.lookup(structure, call.sizes)
+        if entry is None:
+            entry = self._capture(call, structure, tensors, () if accumulate_grad else inputs)
+            self._count("captures")
+        else:
+            if entry.failed is not None:  # before anything is released
+                self._backend_failed(entry.failed, None)
+            self._count("cache_hits")
+        return entry, call
 
     def _fast_walk(self, tensors, grads, inputs, accumulate, config):
         """The generated walker of a known structure, if one accepts this graph."""
