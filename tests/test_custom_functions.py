@@ -567,3 +567,47 @@ def test_leaf_grad_dtype_is_what_accumulation_casts_to(through):
         return [w], step
 
     run_both(build, iterations=len(dtypes), expect_captures=4)
+
+
+class MainGradLinear(torch.autograd.Function):
+    """Megatron's pattern: the backward adds into an attribute of the saved weight."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        ctx.log.append(("saved weight is the weight", w is ctx.weight))
+        w.main_grad.add_(x.t() @ g)
+        return g @ w.t(), None
+
+
+def test_opaque_function_backward_unpacks_the_saved_originals():
+    """ctx.saved_tensors gives the saved tensors themselves, as in eager (gradfx's own
+    unpack hook would hand back new tensor objects, and main_grad would go to a copy);
+    without retain_graph they are released after the backward, with it they stay."""
+    import weakref
+
+    def build(log):
+        lin = nn.Linear(3, 3)
+        w = torch.randn(3, 3, requires_grad=True)
+        w.main_grad = torch.zeros(3, 3)
+
+        def step():
+            h = lin(torch.randn(2, 3)) * 2
+            y = MainGradLinear.apply(h, w)
+            y.grad_fn.log, y.grad_fn.weight = log, w
+            y.sum().backward(retain_graph=True)
+            y.sum().backward()  # the saved tensors were retained
+            log.append(("main_grad", w.main_grad.clone()))
+            saved = weakref.ref(h)
+            del h  # y's node is alive, its saved tensors released
+            log.append(("saved activation freed", saved() is None))
+            log.append(("third backward raises", _error_of(lambda: y.sum().backward())))
+        return [w] + list(lin.parameters()), step
+
+    log = run_both(build)
+    assert ("saved weight is the weight", True) in log and ("saved activation freed", True) in log

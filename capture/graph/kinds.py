@@ -26,7 +26,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from . import hooks
-from .saved import ForeignHooks, Origin, take_saved
+from .saved import ForeignHooks, Origin, Untouched, take_saved
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
@@ -172,6 +172,9 @@ class Walk:
         self.input_owner: list = [-1] * len(grads)
         self.tensor_slots: dict = {}  # input position -> (shape start, ndim, stride start or -1)
         self.owned: dict = {}  # node index -> SavedTensors
+        # Take an opaque custom Function's saved tensors over (a compiler inlines its
+        # backward with them as graph inputs), or leave them to the node (see Untouched).
+        self.take_functions = True
         self.hooks_active = hooks.active()  # one state per walk: it counts the hook dicts found
         # node index -> [(output_nr, tensor)] for retain_grad()
         self.retained = hooks.retained_by_node(index) if self.hooks_active else {}
@@ -279,6 +282,19 @@ def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> bool:
         positions.append(pos)
         w.key.append(w.tensor(t, pos))
     rec.saved = tuple(positions)
+    return True
+
+
+def leave_saved(w: Walk, i: int, node) -> bool:
+    """Leave an opaque custom Function's saved tensors to its node (see saved.Untouched);
+    False if some carry hooks already (an earlier run's or the user's): walk_saved decides."""
+    variables = node._raw_saved_tensors
+    for var in variables:
+        if var.unpack_hook is not None:
+            return False
+    node.saved_tensors  # eager's checks now, before anything runs: freed, modified in place
+    w.owned[i] = Untouched(variables)
+    w.key.append("untouched")
     return True
 
 
@@ -472,6 +488,8 @@ class FunctionKind:
             # Reading ctx.saved_tensors would free them (and leave the raw variables
             # dangling): the user's backward is the only one to read them.
             w.key.append(OPAQUE)
+            owned = False
+        elif not traceable and not w.take_functions and leave_saved(w, i, node):
             owned = False
         else:
             owned = walk_saved(w, rec, i, node, info)

@@ -81,6 +81,32 @@ class SavedTensors:
         self.tensors.clear()
 
 
+class Untouched:
+    """The saved variables of an opaque custom Function, left to its node.
+
+    Its backward then unpacks them as in eager: the saved originals themselves
+    (``w is W``; a hook's result would be wrapped in a new tensor), checked by
+    torch.  Releasing them after a backward without ``retain_graph`` takes them
+    over into an owner that is already released: the node drops its references,
+    and a later unpack raises eager's error.
+    """
+
+    __slots__ = ("variables",)
+    tensors = ()  # none of them is a graph input
+    mask = None
+
+    def __init__(self, variables: tuple):
+        self.variables = variables
+
+    def release(self) -> None:
+        owner = SavedTensors()
+        owner.released = True
+        for k, var in enumerate(self.variables):
+            if var.unpack_hook is None:
+                var.register_hooks(owner.tensors.append, partial(_unpack, owner, k))
+        owner.tensors.clear()
+
+
 def _unpack(owner: SavedTensors, index: int, packed):
     if _substitution.probe:
         raise _Probe(owner)

@@ -179,8 +179,12 @@ def find_outputs(inputs, index, accumulate: bool):
     return outputs, captures
 
 
-def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool = False) -> BackwardCall:
-    """Discover the graph of one backward call and collect its runtime inputs."""
+def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool = False,
+                  take_functions: bool = True) -> BackwardCall:
+    """Discover the graph of one backward call and collect its runtime inputs.
+
+    ``take_functions``: take opaque custom Functions' saved tensors over (for a
+    backend that inlines their backward) rather than leave them to the node."""
     nodes, index, roots, edges, deps = discover(tensors)
     outputs, captures, needed = None, {}, None
     if inputs:
@@ -201,6 +205,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool =
             raise _Fallback(reason)
 
     w = Walk(grads, index)
+    w.take_functions = take_functions
     w.key += [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate, create_graph]
     for k, g in enumerate(grads):
         w.key.append(w.tensor(g, k))
