@@ -77,11 +77,14 @@ def _layout_ok(grad: torch.Tensor, variable: torch.Tensor) -> bool:
     return True
 
 
-def accumulate(variable, grad, may_steal: bool) -> None:
-    """AccumulateGrad (grad mode off) in a form dynamo inlines (see the module doc)."""
+def accumulate(variable, grad, may_steal: bool, dtype) -> None:
+    """AccumulateGrad (grad mode off) in a form dynamo inlines (see the module doc).
+
+    ``dtype``: the leaf's grad_dtype when captured (part of the key; dynamo cannot
+    read it), None for any."""
     if grad is None or not variable.requires_grad:
         return
-    if grad.shape != variable.shape or grad.dtype != variable.dtype or grad.device != variable.device:
+    if grad.shape != variable.shape or (grad.dtype != dtype and dtype is not None) or grad.device != variable.device:
         raise runtime_ops.WrongGradient(f"gave a gradient {list(grad.shape)} ({grad.dtype}, {grad.device}) to "
                                         f"accumulate into a leaf {list(variable.shape)} ({variable.dtype}, "
                                         f"{variable.device})")
@@ -216,7 +219,7 @@ def _ops():
 
     @custom_op("gradfx::accumulate_grad", mutates_args=())
     def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool) -> None:
-        accumulate(variable, grad, may_steal)
+        accumulate(variable, grad, may_steal, variable.grad_dtype)  # runs outside dynamo
 
     @accumulate_grad.register_fake
     def _(variable, grad, may_steal):
@@ -296,7 +299,7 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             leaf, grad, steal = node.args
             steal = bool(steal) and isinstance(grad, fx.Node) and not _seen_by_python(grad)
             node.target = accumulate
-            node.args = (leaf, grad, steal)
+            node.args = (leaf, grad, steal, example_inputs[position[leaf]].grad_dtype)
             accumulations.append(node)
         elif node.target is runtime_ops.call_backward:
             ctx = example_inputs[position[node.args[0]]]

@@ -68,7 +68,8 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool)
     """
     if grad is None or not variable.requires_grad:
         return
-    if grad.shape != variable.shape or grad.dtype != variable.dtype or grad.device != variable.device:
+    dtype = variable.grad_dtype
+    if grad.shape != variable.shape or (grad.dtype != dtype and dtype is not None) or grad.device != variable.device:
         raise WrongGradient(f"gave a gradient {_describe(grad)} to accumulate into a leaf {_describe(variable)}")
     accumulate_grad_unchecked(variable, grad, may_steal, _UNSHARED_REFS + 1)
 
@@ -156,12 +157,12 @@ def stands_in(meta) -> bool:
     """Might this input metadata of a custom Function's node be a stand-in?
 
     An output marked non-differentiable, or one that is not a tensor, gets a
-    default-constructed metadata entry (a float32 CPU scalar); PyNode materializes
-    its missing gradient from the forward output's own shape and dtype (or passes
-    None), which Python cannot read.  A real float32 CPU scalar output looks the same.
+    default-constructed metadata entry (a CPU scalar of the default dtype at the
+    time); PyNode materializes its missing gradient from the forward output's own
+    shape and dtype (or passes None), which Python cannot read.  A real CPU scalar
+    output looks the same.
     """
-    return meta.dtype is torch.float32 and len(meta.shape) == 0 and meta.device.type == "cpu" \
-        and not meta.is_nested_tensor
+    return len(meta.shape) == 0 and meta.device.type == "cpu" and not meta.is_nested_tensor
 
 
 class _Materialized(Exception):
