@@ -548,8 +548,13 @@ class ToFloat64(torch.autograd.Function):
         return g.to(torch.float64) * 2
 
 
+def _as_given(gm, example_inputs):
+    return gm  # a user's backend: gets the compiler-facing graph
+
+
+@pytest.mark.parametrize("backend", ["eager", _as_given])
 @pytest.mark.parametrize("through", ["function", "builtin"])
-def test_leaf_grad_dtype_is_what_accumulation_casts_to(through):
+def test_leaf_grad_dtype_is_what_accumulation_casts_to(through, backend):
     """Tensor.grad_dtype: the leaf's gradient is cast to it (None: kept as it comes);
     changed between steps, it must not reuse a graph built for another."""
     dtypes = ["default", torch.float16, None, torch.float16, "default", torch.float64]
@@ -566,7 +571,7 @@ def test_leaf_grad_dtype_is_what_accumulation_casts_to(through):
             log.append(("grad", w.grad))
         return [w], step
 
-    run_both(build, iterations=len(dtypes), expect_captures=4)
+    run_both(build, iterations=len(dtypes), expect_captures=4, backend=backend)
 
 
 class MainGradLinear(torch.autograd.Function):
@@ -611,3 +616,25 @@ def test_opaque_function_backward_unpacks_the_saved_originals():
 
     log = run_both(build)
     assert ("saved weight is the weight", True) in log and ("saved activation freed", True) in log
+
+
+def test_stand_in_metadata_follows_the_default_dtype():
+    """The stand-in entry of a non-differentiable output has the default dtype of the
+    time (float64 here), not float32: eager still passes zeros of the output's shape."""
+
+    def build(log):
+        w = torch.randn(5, 5, requires_grad=True)
+
+        def step():
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float64)
+            try:
+                out, idx, stats, n, total = WithSideOutputs.apply(w * 1, True)
+            finally:
+                torch.set_default_dtype(previous)
+            out.grad_fn.log = log
+            out.sum().backward()
+        return [w], step
+
+    log = run_both(build)
+    assert log[0][3][0] == (5, 1)  # the non-differentiable float output's own shape

@@ -309,3 +309,34 @@ def test_node_hooks_found_when_the_walk_stops_probing_early(monkeypatch):
     with gradfx.compiled_autograd(backend="eager", strict=True):
         out.backward()
     assert 0 < len(probed) < total - 2, f"probed {len(probed)} of {total} nodes after finding the only dict"
+
+
+def test_accumulator_post_hook_sees_the_stolen_gradient():
+    """Eager steals the first gradient into .grad even when the accumulator has post-hooks
+    (it expects the reference it keeps for them), so a post-hook's grad_outputs[0] is
+    .grad itself and sees what a post-accumulate-grad hook did to it in place."""
+
+    def build(log):
+        t = torch.rand(3, requires_grad=True)
+
+        def post_accumulate(tt):
+            log.append(("post acc", _snap(tt.grad)))
+            tt.grad.add_(0.5)
+
+        def step():
+            t.grad = None
+            acc = t.view_as(t).grad_fn.next_functions[0][0]
+            handles = [
+                t.register_hook(lambda g: log.append(("tensor pre", _snap(g))) or g.sub(2.0)),
+                acc.register_prehook(lambda go: log.append(("pre", _snap(go))) or (go[0].div(5.0),)),
+                t.register_post_accumulate_grad_hook(post_accumulate),
+                acc.register_hook(lambda gi, go: log.append(("post", _snap(gi), _snap(go)))
+                                  or setattr(t, "grad", go[0].mul(10))),
+            ]
+            (t * 1).sum().backward()
+            log.append(("grad", _snap(t.grad)))
+            for h in handles:
+                h.remove()
+        return [t], step
+
+    run_both(build)

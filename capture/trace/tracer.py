@@ -528,12 +528,15 @@ def _mark_steals(graph: fx.Graph) -> None:
 
     Eager steals when the gradient's refcount says the input buffer is its only
     owner: not a tensor the caller passed in, and not used by anything still to
-    run.  Here: not a placeholder, and no user after this accumulation.
+    run.  Here: not a placeholder, and no user after this accumulation but the
+    accumulator's own post-hooks (eager expects the reference it keeps for them).
     """
     order = {n: k for k, n in enumerate(graph.nodes)}
     for node in graph.find_nodes(op="call_function", target=runtime_ops.accumulate_grad):
         grad = node.args[1]
         if grad.op == "placeholder":
             continue
-        if all(order[u] <= order[node] for u in grad.users):
+        label = node.meta.get("gradfx_node")
+        if all(order[u] <= order[node] or (u.target is hook_ops.call_post_hook and u.meta.get("gradfx_node") == label)
+               for u in grad.users):
             node.update_arg(2, True)
