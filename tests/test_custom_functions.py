@@ -638,3 +638,22 @@ def test_stand_in_metadata_follows_the_default_dtype():
 
     log = run_both(build)
     assert log[0][3][0] == (5, 1)  # the non-differentiable float output's own shape
+
+
+def test_reentrant_checkpoint_refuses_grad_as_in_eager():
+    """A reentrant checkpoint asks the engine whether it may run (not inside grad() or
+    backward(inputs=)); gradfx answers for the backward it runs."""
+
+    def build(log):
+        a = torch.randn(2, 2, requires_grad=True)
+
+        def step():
+            b = checkpoint(torch.exp, a, use_reentrant=True).sum()
+            log.append(("grad() raises", _error_of(lambda: torch.autograd.grad(b, (a,)))))
+            b = checkpoint(torch.exp, a, use_reentrant=True).sum()
+            log.append(("backward(inputs=) raises", _error_of(lambda: b.backward(inputs=[a]))))
+            checkpoint(torch.exp, a, use_reentrant=True).sum().backward()
+        return [a], step
+
+    log = run_both(build, expect_captures=4)  # grad, backward(inputs=), backward, and the inner backward
+    assert "incompatible with .grad()" in log[0][1]

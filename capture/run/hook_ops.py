@@ -123,13 +123,22 @@ def _will_engine_execute_node(node):
     return id(node) in state[1]()
 
 
+def checkpoint_valid() -> bool | None:
+    """For the engine's is_checkpoint_valid: the answer of the gradfx backward running
+    Python on this thread, or None outside one."""
+    state = getattr(_task, "state", None)
+    return state[3] if state is not None else None
+
+
 class graph_task:
     """Context: Python code running inside it (hooks, custom backwards, checkpoint's
     recomputation) sees one backward task, executing the nodes ``executed_ids()``
     names (computed on first use)."""
 
-    def __init__(self, executed_ids, keep_graph: bool):
-        self.state = (next(_task_ids), functools.cache(executed_ids), keep_graph)
+    def __init__(self, executed_ids, keep_graph: bool, checkpoint_valid: bool = True):
+        # checkpoint_valid: eager's answer for a task without `inputs` (its exec_info is
+        # empty); a reentrant checkpoint refuses to run inside grad() / backward(inputs=).
+        self.state = (next(_task_ids), functools.cache(executed_ids), keep_graph, checkpoint_valid)
 
     def __enter__(self):
         self.prev = getattr(_task, "state", None)

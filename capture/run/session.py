@@ -333,7 +333,8 @@ class Session:
             for i, saved in enumerate(owned):
                 if saved is not None and i not in late:
                     saved.release()
-        task = hook_ops.graph_task(call.executed_ids, keep_graph) if entry.runs_python else contextlib.nullcontext()
+        task = hook_ops.graph_task(call.executed_ids, keep_graph, call.outputs is None) if entry.runs_python \
+            else contextlib.nullcontext()
         try:
             # The engine's grad mode for a backward: on only when it records history.
             with torch.set_grad_enabled(call.create_graph), task, routing.running_backward():
