@@ -340,3 +340,28 @@ def test_accumulator_post_hook_sees_the_stolen_gradient():
         return [t], step
 
     run_both(build)
+
+
+def test_multi_grad_hook_on_leaves_under_grad_raises_as_in_eager():
+    """register_multi_grad_hook asks _will_engine_execute_node about each tensor; for the
+    accumulator of a leaf that autograd.grad() captures, eager refuses with an error."""
+
+    def build(log):
+        a, b, c = (torch.rand(2, requires_grad=True) for _ in range(3))
+        handle = [None]
+
+        def step():
+            if handle[0] is not None:
+                handle[0].remove()
+            handle[0] = torch.autograd.graph.register_multi_grad_hook(
+                (a, b, c), lambda grads: log.append(("multi", [None if g is None else _snap(g) for g in grads])))
+            (a * b).sum().backward()
+            try:
+                torch.autograd.grad((a * 3).sum(), (a,))
+                log.append(("grad() ran", None))
+            except RuntimeError as err:
+                log.append(("grad() raised", str(err)))
+        return [a, b, c], step
+
+    log = run_both(build, expect_captures=2)
+    assert log[1][0] == "grad() raised" and "_will_engine_execute_node" in log[1][1]

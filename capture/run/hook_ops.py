@@ -120,6 +120,9 @@ def _will_engine_execute_node(node):
         return _real_will_execute(node)
     if isinstance(node, torch.autograd.graph.GradientEdge):
         node = node.node
+    if state[4] is not None and id(node) in state[4] and type(node).__name__ == "AccumulateGrad":
+        raise RuntimeError("A leaf node was passed to _will_engine_execute_node but we are currently running "
+                           "autograd.grad(). This is currently not supported.")
     return id(node) in state[1]()
 
 
@@ -135,10 +138,12 @@ class graph_task:
     recomputation) sees one backward task, executing the nodes ``executed_ids()``
     names (computed on first use)."""
 
-    def __init__(self, executed_ids, keep_graph: bool, checkpoint_valid: bool = True):
+    def __init__(self, executed_ids, keep_graph: bool, checkpoint_valid: bool = True, grad_inputs=None):
         # checkpoint_valid: eager's answer for a task without `inputs` (its exec_info is
         # empty); a reentrant checkpoint refuses to run inside grad() / backward(inputs=).
-        self.state = (next(_task_ids), functools.cache(executed_ids), keep_graph, checkpoint_valid)
+        # grad_inputs: for autograd.grad(), ids of its inputs' nodes; eager refuses to
+        # answer for the accumulator of a leaf among them.
+        self.state = (next(_task_ids), functools.cache(executed_ids), keep_graph, checkpoint_valid, grad_inputs)
 
     def __enter__(self):
         self.prev = getattr(_task, "state", None)

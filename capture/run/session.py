@@ -333,8 +333,8 @@ class Session:
             for i, saved in enumerate(owned):
                 if saved is not None and i not in late:
                     saved.release()
-        task = hook_ops.graph_task(call.executed_ids, keep_graph, call.outputs is None) if entry.runs_python \
-            else contextlib.nullcontext()
+        task = hook_ops.graph_task(call.executed_ids, keep_graph, call.outputs is None, _grad_inputs(call)) \
+            if entry.runs_python else contextlib.nullcontext()
         try:
             # The engine's grad mode for a backward: on only when it records history.
             with torch.set_grad_enabled(call.create_graph), task, routing.running_backward():
@@ -360,6 +360,13 @@ class Session:
                 if owned[i] is not None:
                     owned[i].release()
         return out
+
+
+def _grad_inputs(call: BackwardCall) -> frozenset | None:
+    """For autograd.grad(): ids of the nodes of its inputs (see hook_ops.graph_task)."""
+    if call.accumulate:
+        return None
+    return frozenset(id(call.nodes[out[0]]) for out in call.outputs if out is not None)
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
