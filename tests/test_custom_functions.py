@@ -442,15 +442,19 @@ def test_function_with_hooked_outputs_without_edges_falls_back():
     assert results[1][2][0][2][1] is torch.int64
 
 
-class ClearedOnAccess(torch.autograd.Function):
-    """clear_saved_tensors_on_access: reading ctx.saved_tensors frees them."""
-
-    clear_saved_tensors_on_access = True
+class SavingMatmul(torch.autograd.Function):
+    """x @ w, saving both; subclasses say what the backward does."""
 
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
         return x @ w
+
+
+class ClearedOnAccess(SavingMatmul):
+    """clear_saved_tensors_on_access: reading ctx.saved_tensors frees them."""
+
+    clear_saved_tensors_on_access = True
 
     @staticmethod
     def backward(ctx, g):
@@ -574,13 +578,8 @@ def test_leaf_grad_dtype_is_what_accumulation_casts_to(through, backend):
     run_both(build, iterations=len(dtypes), expect_captures=4, backend=backend)
 
 
-class MainGradLinear(torch.autograd.Function):
+class MainGradLinear(SavingMatmul):
     """Megatron's pattern: the backward adds into an attribute of the saved weight."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w
 
     @staticmethod
     def backward(ctx, g):
