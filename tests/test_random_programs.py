@@ -3,8 +3,10 @@
 A program mixes views, in-place ops (also on slices), fan-in, tensor hooks, node
 hooks registered through expressions (``b.grad_fn``, ``next_functions``),
 ``retain_grad()`` twice, hooks removed through their handles, sparse embeddings,
-``masked_fill`` with a tensor value, index ops and ``prod``/``cumprod`` over
-zeros.  PyTorch's own compiled autograd differs from eager on about one such
+``masked_fill`` with a tensor value, index ops, ``prod``/``cumprod`` over
+zeros, an opaque custom Function (a non-differentiable output, a number, a
+gradient returned in another layout), non-reentrant checkpoints and hooks that
+return gradients laid out otherwise.  PyTorch's own compiled autograd differs from eager on about one such
 program in five (summation order at fan-in, tensor pre-hook order); gradfx must
 not.  Each program also runs at several sizes with symbolic sizes.
 
@@ -18,13 +20,43 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import gradfx
 
 UNARY = [torch.sin, torch.tanh, torch.sigmoid, torch.exp, lambda t: t * 1.7, lambda t: t.relu(),
          lambda t: t.pow(2), lambda t: t / 3.0]
 OPS = ["unary", "add", "mul", "view", "inplace", "slice_inplace", "fanin", "hook", "node_hook",
-       "next_hook", "retain_twice", "removed_hook", "embedding", "masked_fill", "index", "prod"]
+       "next_hook", "retain_twice", "removed_hook", "embedding", "masked_fill", "index", "prod",
+       "function", "checkpoint", "odd_hook"]
+
+
+def _odd_layout(g, layout):
+    """The same gradient laid out otherwise (column-major), or a stride-0 one."""
+    if layout == "columns":
+        return g.t().contiguous().t()
+    if layout == "expanded":
+        return g.sum(0, keepdim=True).expand_as(g)
+    return g
+
+
+class _OddFunction(torch.autograd.Function):
+    """An opaque custom Function with a non-differentiable index output and a number,
+    whose backward returns its gradient in another layout."""
+
+    @staticmethod
+    def forward(ctx, x, layout, log, step):
+        ctx.layout, ctx.log, ctx.step = layout, log, step
+        idx = x.argmax(1)
+        ctx.mark_non_differentiable(idx)
+        ctx.save_for_backward(x)
+        return x * 2.0, idx, x.shape[0]
+
+    @staticmethod
+    def backward(ctx, g, g_idx, g_n):
+        x, = ctx.saved_tensors
+        ctx.log.append(("function", ctx.step, g_idx.dtype, tuple(g_idx.shape), g_n))
+        return _odd_layout(g * 2.0 + x * 0.25, ctx.layout), None, None, None
 
 
 def _summary(x):
@@ -120,6 +152,16 @@ def _program(seed, log, n=4):
                 values.append(torch.zeros(n, 6).scatter_add(1, cols, a))
             else:
                 values.append(a.index_select(0, rows))
+        elif op == "function":
+            y, idx, rows = _OddFunction.apply(a, rng.choice(["plain", "columns", "expanded"]), log, step)
+            values.append(y + idx.unsqueeze(1) * 0.5 + rows)
+        elif op == "checkpoint":
+            values.append(checkpoint(lambda t: (t.sin() * t).tanh(), a, use_reentrant=False))
+        elif op == "odd_hook":
+            b = a * 1.25
+            layout = rng.choice(["columns", "expanded"])
+            b.register_hook(lambda g, layout=layout: _odd_layout(g * 1.0, layout))
+            values.append(b)
         elif op == "prod":  # zeros where a random mask says, differentiably
             z = torch.where(torch.rand(n, 6) < 0.2, 0.0, a)
             values.append(z.prod(1, keepdim=True) * z + z.cumprod(1))
