@@ -362,8 +362,30 @@ def _validate(t, node, outputs, edges):
             result.append(g)
             continue
         shape, dtype, _ = t.meta(e[0], e[1])
-        result.append(runtime_ops.validate_output(g, shape, dtype, node.name(), k))
+        if g.dtype == dtype and _same_sizes(g.shape, shape):
+            result.append(g)  # what validate_output returns, without asking sympy
+        else:
+            result.append(runtime_ops.validate_output(g, shape, dtype, node.name(), k))
     return result
+
+
+def _same_sizes(got, expected) -> bool:
+    """Sizes equal by what they are (equal ints, or the same symbolic expression): a
+    comparison that needs no reasoning and records no guard."""
+    if len(got) != len(expected):
+        return False
+    for a, b in zip(got, expected):
+        if a is b:
+            continue
+        if type(a) is int and type(b) is int:
+            if a != b:
+                return False
+        elif isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+            if a.node.expr != b.node.expr:  # structural: equal expressions, or ask sympy
+                return False
+        else:
+            return False
+    return True
 
 
 def _run_engine(t: _Tracer, grads):
