@@ -31,6 +31,10 @@ class RoutingEngine:
         block = current()
         if block is None or torch_internal(tensors):
             return self.engine.run_backward(tensors, *args, **kwargs)
+        if _eval_frame_callback() is not None:
+            # A backward inside a torch.compile'd function, after dynamo broke its graph
+            # there: dynamo's frame callback is still set and must not trace gradfx.
+            return _outside_dynamo(block.run_backward)(self.engine, tensors, *args, **kwargs)
         return block.run_backward(self.engine, tensors, *args, **kwargs)
 
     def queue_callback(self, callback):
@@ -148,11 +152,17 @@ def _infra_modes() -> bool:
 
 def install() -> None:
     if not isinstance(Variable._execution_engine, RoutingEngine):
-        # dynamo must not trace gradfx: a user's backward after a graph break runs
-        # while dynamo's frame callback is still set.
-        if not getattr(RoutingEngine.run_backward, "_gradfx_disabled", False):
-            import torch._dynamo
-            run_backward = torch._dynamo.disable(RoutingEngine.run_backward, recursive=True)
-            run_backward._gradfx_disabled = True
-            RoutingEngine.run_backward = run_backward
         Variable._execution_engine = RoutingEngine(Variable._execution_engine)
+
+
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+_disabled: dict = {}
+
+
+def _outside_dynamo(fn):
+    """``fn`` run with dynamo's frame callback off (dynamo is imported: it set one)."""
+    wrapped = _disabled.get(fn.__func__)
+    if wrapped is None:
+        import torch._dynamo
+        wrapped = _disabled[fn.__func__] = torch._dynamo.disable(fn.__func__, recursive=True)
+    return wrapped.__get__(fn.__self__)
