@@ -130,3 +130,20 @@ def test_coalesced_sparse_gradient_flag_as_eager():
                 loss.backward()
         return w.grad
     _same_grad(run(False), run(True))
+
+
+def test_sparse_leaf_as_root_falls_back_with_one_warning():
+    """A sparse leaf has no view through which to find its accumulator: the eager
+    engine runs that backward (it crashed in the walk), once warned."""
+    indices, values = torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0])
+    grads = []
+    for under_gradfx in (False, True):
+        leaf = torch.sparse_coo_tensor(indices, values, (2, 2), requires_grad=True)
+        if under_gradfx:
+            with pytest.warns(gradfx.FallbackWarning, match="sparse_coo leaf"):
+                with gradfx.compiled_autograd(backend="eager"):
+                    leaf.backward(torch.ones(2, 2).to_sparse())
+        else:
+            leaf.backward(torch.ones(2, 2).to_sparse())
+        grads.append(leaf.grad.to_dense())
+    assert torch.equal(grads[0], grads[1])

@@ -117,7 +117,10 @@ def root_edge(t: torch.Tensor):
     if fn is not None:
         return fn, t.output_nr
     if t.requires_grad:
-        edge = torch.autograd.graph.get_gradient_edge(t)
+        try:
+            edge = torch.autograd.graph.get_gradient_edge(t)
+        except (NotImplementedError, RuntimeError) as err:  # e.g. a sparse leaf: no view to find it through
+            raise _Fallback(f"a {t.layout} leaf as a root or input ({type(err).__name__})") from None
         return edge.node, edge.output_nr
     return None, 0
 
