@@ -43,7 +43,8 @@ def eager(gm: fx.GraphModule, example_inputs: list):
             node.target = _direct(node.target)
     boxed = frees_inputs_early(gm.graph)
     if boxed:
-        graph.set_codegen(_BoxedCodeGen())
+        graph.set_codegen(_DropsUnusedInputs(
+            {n.name for n in graph.find_nodes(op="placeholder") if not n.users}))
     private = fx.GraphModule(gm, graph)
     if not boxed:
         return private.forward
@@ -53,6 +54,21 @@ def eager(gm: fx.GraphModule, example_inputs: list):
         return forward(list(args))
     run._boxed = forward
     return run
+
+
+class _DropsUnusedInputs(_BoxedCodeGen):
+    """Boxed code that does not bind the inputs nobody uses (the saved tensors of a node
+    run opaquely), so they are freed with the list, not when the graph returns."""
+
+    def __init__(self, unused: set):
+        super().__init__()
+        self.unused = unused
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs):
+        text = super().gen_fn_def(free_vars, maybe_return_annotation, **kwargs)
+        for name in self.unused:
+            text = text.replace(f"\n    {name} = next(args_iter)", "\n    next(args_iter)")
+        return text
 
 
 _direct_calls: dict = {}

@@ -313,6 +313,8 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
                 adapter.contexts.append(position[node.args[0]])
         elif node.target is runtime_ops.call_node:
             _as_custom_op(graph, node, adapter, position)
+        elif node.target is runtime_ops.release_saved:
+            graph.erase_node(node)  # compiled code takes no live nodes: released after the run
     if nested:
         # A reentrant checkpoint runs a backward of its own inside the graph, which may
         # accumulate into the same leaves; dynamo would replay its own `.grad` writes

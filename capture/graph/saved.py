@@ -99,12 +99,26 @@ class Untouched:
         self.variables = variables  # the defined ones (None cannot be taken over)
 
     def release(self) -> None:
-        owner = SavedTensors()
-        owner.released = True
-        for k, var in enumerate(self.variables):
-            if var.unpack_hook is None:
-                var.register_hooks(owner.tensors.append, partial(_unpack, owner, k))
-        owner.tensors.clear()
+        release_variables(self.variables)
+
+
+def release_variables(variables) -> None:
+    """Eager's release of saved variables, for those gradfx leaves to their node or owns:
+    a later unpack raises eager's error.  The user's saved-tensor hooks are left alone."""
+    for var in variables:
+        hook = var.unpack_hook
+        if hook is None:
+            try:
+                var.register_hooks(_released.tensors.append, partial(_unpack, _released, 0))
+            except RuntimeError:  # a None entry, or freed already
+                continue
+            _released.tensors.clear()
+        elif is_ours(hook):
+            hook.args[0].release()
+
+
+_released = SavedTensors()  # the owner of every variable released by taking it over
+_released.released = True
 
 
 def _unpack(owner: SavedTensors, index: int, packed):

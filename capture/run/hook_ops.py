@@ -126,6 +126,13 @@ def _will_engine_execute_node(node):
     return id(node) in state[1]()
 
 
+def keeps_graph() -> bool | None:
+    """Does the gradfx backward running Python on this thread keep its graph
+    (retain_graph)?  None outside one."""
+    state = getattr(_task, "state", None)
+    return state[2] if state is not None else None
+
+
 def checkpoint_valid() -> bool | None:
     """For the engine's is_checkpoint_valid: the answer of the gradfx backward running
     Python on this thread, or None outside one."""

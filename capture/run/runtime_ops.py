@@ -13,6 +13,9 @@ import torch
 from torch.autograd.variable import Variable
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from ..graph.saved import release_variables
+from . import hook_ops
+
 
 def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or is_non_overlapping_and_dense_or_false(t)
@@ -151,6 +154,17 @@ def call_backward(ctx, metas, must_be_defined, *grads):
                           for g, m in zip(grads, metadata))
     outs = function_outputs(ctx.name(), ctx.needs_input_grad, ctx.apply(*grads), [m is not None for m in metas])
     return finish_outputs(ctx.name(), outs, metas, must_be_defined)
+
+
+def release_saved(node, raw_attrs: tuple) -> None:
+    """Release the saved tensors of a node run opaquely, after its post-hooks, as the
+    engine does after each node of a backward that does not keep its graph (they
+    were kept to the end of the backward, holding every such node's memory)."""
+    if hook_ops.keeps_graph() is not False:
+        return
+    for attr in raw_attrs:
+        raw = getattr(node, attr)
+        release_variables(raw if type(raw) is tuple else (raw,))
 
 
 def stands_in(meta) -> bool:

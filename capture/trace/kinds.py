@@ -23,7 +23,7 @@ SIDE_EFFECTS = frozenset({"accumulate", "hook", "opaque"})
 _BY_TARGET = {
     runtime_ops.accumulate_grad: "accumulate", runtime_ops.accumulate_grad_unchecked: "accumulate",
     runtime_ops.accumulate_grad_create_graph: "accumulate",
-    runtime_ops.call_node: "opaque", runtime_ops.call_backward: "opaque",
+    runtime_ops.call_node: "opaque", runtime_ops.call_backward: "opaque", runtime_ops.release_saved: "opaque",
     **{fn: "hook" for fn in hook_ops.HOOK_CALLS},
 }
 

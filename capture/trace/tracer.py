@@ -39,7 +39,7 @@ from .ready_queue import ReadyQueue
 from .rules import RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
 from .shapes import SymbolicSizes
 from ..graph.saved import substitute
-from ..graph.kinds import ACCUMULATE, FUNCTION, OPAQUE, TRACED
+from ..graph.kinds import ACCUMULATE, FUNCTION, OPAQUE, TRACED, type_info
 from ..graph.walk import BackwardCall
 from ..errors import _Fallback
 
@@ -332,6 +332,15 @@ class _Tracer:
                 self.keep.append(o)
         return outs
 
+    def release_saved(self, i, node):
+        """After a node run opaquely (and its post-hooks): free its saved tensors now,
+        as the engine does, unless the backward keeps its graph (decided at run time).
+        Not for saved tensors freed on access: their handles are gone by then."""
+        raw = type_info(type(node)).raw_saved
+        if raw and not getattr(getattr(node, "_forward_cls", None), "clear_saved_tensors_on_access", False):
+            self.python_call(runtime_ops.release_saved, (_Input(self.call.records[i].node_input), raw), None,
+                             self.call.node_label(i), "opaque")
+
     def add(self, old, new, label):
         """InputBuffer::add; gradients from opaque calls may turn out None at run time."""
         if id(old) in self.maybe_none or id(new) in self.maybe_none:
@@ -477,6 +486,8 @@ def _run_one(t, i, buffers, hooks, needed, kinds, nodes, edges, captured, delive
         outputs = _validate(t, node, outputs, edges[i])
     if spec is not None and spec.post:
         outputs = t.post_hooks(i, spec, outputs, inputs)
+    if kinds[i] is OPAQUE:
+        t.release_saved(i, node)
     for g, e in zip(outputs, edges[i]):
         if e is not None:
             deliver(e[0], e[1], g)

@@ -124,6 +124,8 @@ def label(node: fx.Node) -> str:
         name = hook.meta.get("gradfx_name") if isinstance(hook, fx.Node) else None
         return f"{words} {name}" if name and node.target is not hook_ops.retain_grad else words
     if kind == "opaque":
+        if node.target is runtime_ops.release_saved:
+            return "release saved"
         return "opaque " + ("backward" if node.target is runtime_ops.call_backward else "node")
     if kind == "output":
         names = node.meta.get("gradfx_names")
