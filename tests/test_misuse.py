@@ -415,3 +415,34 @@ def test_fallback_warning_points_at_the_users_backward_call():
         with pytest.warns(gradfx.FallbackWarning) as caught:
             loss.backward()
     assert [w.filename for w in caught if issubclass(w.category, gradfx.FallbackWarning)] == [__file__]
+
+
+def test_steals_like_eager_after_a_failed_compile(monkeypatch):
+    """A failed torch.compile leaves dynamo's frame evaluator installed, and then every
+    Python call keeps one more reference to its arguments; accumulation must still steal
+    an unshared first gradient (it copied all of them) and still copy one a hook keeps."""
+    def breaks(x):
+        print(end="")  # fullgraph: dynamo cannot trace print(end=...)
+        return x.sin()
+    with pytest.raises(Exception):
+        torch.compile(breaks, backend="eager", fullgraph=True)(torch.randn(3))
+    copies = []
+    real = runtime_ops._clone_obey_contract
+    monkeypatch.setattr(runtime_ops, "_clone_obey_contract", lambda g, v: copies.append(1) or real(g, v))
+    model = _model()
+    with gradfx.compiled_autograd(backend="eager"):
+        model(_x()).sum().backward()
+    assert_same(grads_of(model.parameters()), _eager_grads())
+    assert copies == []
+
+    aliased = []
+    for under_gradfx in (False, True):
+        model, kept = _model(), []
+        model[0].weight.register_hook(kept.append)
+        if under_gradfx:
+            with gradfx.compiled_autograd(backend="eager"):
+                model(_x()).sum().backward()
+        else:
+            model(_x()).sum().backward()
+        aliased.append(model[0].weight.grad.data_ptr() == kept[0].data_ptr())
+    assert aliased == [False, False]  # the hook keeps it: both copy

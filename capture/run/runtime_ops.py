@@ -74,11 +74,11 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool)
     dtype = variable.grad_dtype
     if grad.shape != variable.shape or (grad.dtype != dtype and dtype is not None) or grad.device != variable.device:
         raise WrongGradient(f"gave a gradient {_describe(grad)} to accumulate into a leaf {_describe(variable)}")
-    accumulate_grad_unchecked(variable, grad, may_steal, _UNSHARED_REFS + 1)
+    accumulate_grad_unchecked(variable, grad, may_steal, _UNSHARED_REFS + 1, calls=2)
 
 
 def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool,
-                              unshared_refs: int = _UNSHARED_REFS) -> None:
+                              unshared_refs: int = _UNSHARED_REFS, calls: int = 1) -> None:
     """AccumulateGrad with eager's semantics (grad mode is off while graphs run).
 
     The first gradient is stolen (``.grad`` becomes the gradient itself) when
@@ -91,7 +91,11 @@ def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_st
         return
     old = variable.grad
     if old is None:
-        unshared = may_steal and sys.getrefcount(grad) <= unshared_refs and grad._use_count() <= 1
+        refs = sys.getrefcount(grad)
+        # ``calls``: Python calls between the graph's variable and here, each of which
+        # may hold one more reference (see _call_adds_reference).
+        unshared = may_steal and grad._use_count() <= 1 and (
+            refs <= unshared_refs or (refs <= unshared_refs + calls and _call_adds_reference()))
         if grad.is_sparse:
             variable.grad = _sparse_first_grad(grad, unshared)
         elif unshared and _obeys_layout_contract(grad, variable):
@@ -102,6 +106,22 @@ def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_st
         variable.grad = grad + old
     else:
         old += grad
+
+
+def _refs_in_callee(x) -> int:
+    return sys.getrefcount(x)
+
+
+def _call_adds_reference() -> bool:
+    """Does a Python call on this thread keep one more reference to its arguments?
+
+    It does while a PEP 523 frame evaluator is installed (dynamo's stays installed
+    after a failed compile): the caller's stack keeps them.  Eager decides to steal by
+    the gradient's C++ use count; gradfx by its Python reference count, which must not
+    count those.  Asked only when a count is just above the usual.
+    """
+    probe = object()
+    return _refs_in_callee(probe) > 3  # the local, the parameter, getrefcount's argument
 
 
 def accumulate_grad_create_graph(variable: torch.Tensor, grad: torch.Tensor) -> None:
