@@ -292,8 +292,8 @@ def leave_saved(w: Walk, i: int, node) -> bool:
     for var in variables:
         if var.unpack_hook is not None:
             return False
-    values = node.saved_tensors  # eager's checks now, before anything runs: freed, modified in place
-    w.owned[i] = Untouched(tuple(var for var, value in zip(variables, values) if value is not None))
+    node.saved_tensors  # eager's checks now, before anything runs: freed, modified in place
+    w.owned[i] = Untouched(variables)
     w.key.append("untouched")
     return True
 

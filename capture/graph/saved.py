@@ -96,7 +96,7 @@ class Untouched:
     mask = None
 
     def __init__(self, variables: tuple):
-        self.variables = variables  # the defined ones (None cannot be taken over)
+        self.variables = variables
 
     def release(self) -> None:
         release_variables(self.variables)
