@@ -656,3 +656,33 @@ def test_reentrant_checkpoint_refuses_grad_as_in_eager():
 
     log = run_both(build, expect_captures=4)  # grad, backward(inputs=), backward, and the inner backward
     assert "incompatible with .grad()" in log[0][1]
+
+
+class SavesNones(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(None, x, None)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        none_before, x, none_after = ctx.saved_tensors
+        ctx.log.append(("saved Nones", none_before, none_after))
+        return 2 * x * g
+
+
+def test_opaque_function_saving_none_is_released_after_the_backward():
+    """None entries among an opaque Function's saved tensors are skipped when they are
+    released (torch refuses hooks on them); a second backward raises as in eager."""
+
+    def build(log):
+        w = torch.randn(5, 5, requires_grad=True)
+
+        def step():
+            y = SavesNones.apply(w * 1.0)
+            y.grad_fn.log = log
+            y.sum().backward()
+            log.append(("second backward raises", _error_of(lambda: y.sum().backward()) is not None))
+        return [w], step
+
+    run_both(build)
