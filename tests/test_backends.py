@@ -142,3 +142,34 @@ def test_entry_point_backends_are_listed(monkeypatch):
     with gradfx.compiled_autograd(backend="from_plugin"):
         lin(torch.randn(1, 2)).sum().backward()
     assert lin.weight.grad is not None
+
+
+@pytest.mark.parametrize("user_turned_it_off", [False, True])
+def test_garbage_collector_pauses_during_a_capture_only(user_turned_it_off):
+    """A capture runs with Python's cyclic collector off (its full passes over a heap of
+    sympy and fake-tensor objects cost a quarter of a recapture); it is back on afterwards,
+    also when the capture fails, and stays off if the user had turned it off."""
+    import gc
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gc.isenabled())
+        if len(seen) == 2:
+            raise RuntimeError("this backend fails its second compile")
+        return gm
+
+    model = mlp()
+    was = gc.isenabled()
+    try:
+        if user_turned_it_off:
+            gc.disable()
+        with gradfx.compiled_autograd(backend=backend):
+            model(torch.randn(8, 16)).sum().backward()
+        assert gc.isenabled() is not user_turned_it_off
+        with pytest.raises(gradfx.Unsupported):
+            with gradfx.compiled_autograd(backend=backend, dynamic=False, strict=True):
+                model(torch.randn(5, 16)).sum().backward()
+        assert gc.isenabled() is not user_turned_it_off
+    finally:
+        gc.enable() if was else gc.disable()
+    assert seen == [False, False]
