@@ -90,6 +90,10 @@ class _Tracer:
         dynamic = symbolic is not None
         self.shape_env = symbolic.shape_env if dynamic else ShapeEnv()
         self.fake_mode = FakeTensorMode(shape_env=self.shape_env, static_shapes=not dynamic)
+        # Fake tensors cache each op's output metadata by its arguments.  With symbolic sizes
+        # a backward's ops almost never repeat a key (every size is its own expression), and
+        # building the entries cost a quarter of a symbolic trace of GPT-2: off for those.
+        self.fake_mode.cache_enabled = not dynamic
         self.tracer = PythonKeyTracer()
         self.tracer.root = torch.nn.Module()
         self.tracer.graph = fx.Graph(tracer_cls=PythonKeyTracer)
