@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradfx.capture.trace.shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates
+from gradfx.capture.trace.shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates, same_sizes
 from gradfx.capture.trace.tracer import trace_backward
 from gradfx.capture.graph.walk import walk_backward
 
@@ -56,13 +56,16 @@ def _sizes_of(model, shape):
     return walk_backward((loss,), (torch.ones_like(loss),), (), True)
 
 
-def _symbolic_capture(name):
-    """(symbolic sizes of a capture, size lists of the same graph at other input shapes)."""
+def _symbolic_capture(name, shared=False):
+    """(symbolic sizes of a capture, size lists of the same graph at other input shapes);
+    ``shared``: positions that are one size by construction share a symbol, as in a
+    first capture with dynamic=True."""
     torch.manual_seed(0)
     make, shape, others = MODELS[name]
     model = make()
     call = _sizes_of(model, shape)
-    symbolic = SymbolicSizes(call.sizes, dynamic_candidates(call) - baked_positions(call))
+    positions = dynamic_candidates(call) - baked_positions(call)
+    symbolic = SymbolicSizes(call.sizes, positions, same_sizes(call, positions) if shared else None)
     trace_backward(call, symbolic)
     real = []
     for other in others:
@@ -111,9 +114,10 @@ def _draws(symbolic, real, rng, n):
         yield sizes
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own symbols", "shared symbols"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_compiled_guard_matches_shape_env(name):
-    symbolic, real = _symbolic_capture(name)
+def test_compiled_guard_matches_shape_env(name, shared):
+    symbolic, real = _symbolic_capture(name, shared)
     assert len(real) >= 3
     guard = Guard.build(symbolic)
     assert guard(symbolic.sizes) and _reference(symbolic, symbolic.sizes)
@@ -151,3 +155,25 @@ def test_positions_sharing_a_symbol_must_stay_equal():
     assert any(line == "sizes[1] == " + str(symbolic.symbol[0]) for line in guard.text)
     for sizes in ([4, 4, 6], [5, 5, 7], [5, 6, 7], [1, 1, 7]):
         assert guard(sizes) == _reference(symbolic, sizes)
+
+
+def test_sizes_of_one_tensor_share_a_symbol_and_coincidences_do_not():
+    """A saved activation, its autograd node's metadata and a later node's saved copy of
+    it are one size by construction; a batch that equals the features (4 and 4) is not."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    x = torch.randn(4, 4, requires_grad=True)
+    h = torch.tanh(first(x))
+    loss = second(h).sum()
+    call = walk_backward((loss,), (torch.ones_like(loss),), (), True)
+    positions = dynamic_candidates(call)
+    groups = same_sizes(call, positions)
+    tanh = next(i for i, n in enumerate(call.nodes) if type(n).__name__ == "TanhBackward0")
+    addmm = next(i for i, n in enumerate(call.nodes) if type(n).__name__ == "AddmmBackward0")
+    meta = dict(call.meta_slots())[(tanh, 0)]
+    result = call.tensor_slots[call.records[tanh].saved[0]][0]  # tanh's saved output
+    mat1 = next(call.tensor_slots[pos][0] for pos in call.records[addmm].saved if call.inputs[pos] is h)
+    for d in (0, 1):
+        assert {meta + d, result + d, mat1 + d} <= positions
+        assert groups[meta + d] == groups[result + d] == groups[mat1 + d]
+    assert call.sizes[meta] == call.sizes[meta + 1] and groups[meta] != groups[meta + 1]
