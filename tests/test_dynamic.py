@@ -227,3 +227,38 @@ def test_merges_splits_and_transposes_over_shapes(shapes):
             loss.backward()
         assert torch.equal(expected, x.grad), (n, m)
     assert gradfx.stats()["captures"] == 1
+
+
+def test_views_of_contiguous_and_of_transposed_gradients_over_sizes():
+    # A view's gradient laid out contiguously is viewed directly (no fake reshape in the
+    # trace); one that arrives transposed goes through reshape (a view here too).
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            h = self.lin(x).view(b * t, d)  # its backward views the transposed gradient
+            z = h.t().reshape(d, b, t)  # its backward views a contiguous gradient
+            return (z * z.sin()).sum()
+
+    torch.manual_seed(0)
+    eager_model = Model()
+    model = copy.deepcopy(eager_model)
+    graphs = []
+    for shape in [(2, 3, 8), (3, 5, 8), (4, 4, 8), (5, 2, 8), (8, 8, 8)]:
+        x = torch.randn(*shape, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        eager_model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        eager_model(x).backward()
+        with gradfx.compiled_autograd(dynamic=True, strict=True) as s:
+            model(x2).backward()
+        assert_same(grads_of(eager_model.parameters()), grads_of(model.parameters()))
+        assert torch.equal(x.grad, x2.grad)
+        graphs += s.graphs
+    assert gradfx.stats()["captures"] == 1
+    views = graphs[0].graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default)
+    sources = {v.args[0].target for v in views}
+    assert torch.ops.aten.t.default in sources and torch.ops.aten.add.Tensor in sources

@@ -146,7 +146,8 @@ def view_backward0(saved, grad):
     """grad.reshape_symint(self.sym_sizes())"""
     target = saved.self_sym_sizes
     _tie_matching_dims(grad.shape, target)
-    return (grad.reshape(target),)
+    out = saved.contiguous_view(grad, target)
+    return (grad.reshape(target) if out is None else out,)
 
 
 def _atoms(dims, shape_env):

@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import (
     get_proxy_slot,
     track_tensor_tree,
 )
-from torch._prims_common import make_contiguous_strides_for
+from torch._prims_common import is_contiguous_or_false, make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..run import hook_ops, runtime_ops
@@ -72,6 +72,27 @@ class _SymbolicSaved:
         if slot is not None:
             return self._tracer.symbolic.rebuild(*slot)
         return getattr(self._node, attr)  # tensors come back as fakes (substituted)
+
+    def contiguous_view(self, grad, shape):
+        """``grad.view(shape)`` recorded directly, for a gradient laid out contiguously:
+        its result is the contiguous tensor of ``shape``.  Fake reshape would reach the
+        same by proving stride equalities in sympy, a third of GPT-2's first symbolic
+        capture.  None where that is not known without a guard (then: reshape)."""
+        with disable_proxy_modes_tracing():  # size arithmetic for the guards, not the graph
+            if not is_contiguous_or_false(grad):
+                return None
+            numel = 1
+            for d in shape:
+                numel = numel * d
+            if grad.numel() != numel:  # a guard where sizes are symbolic, as reshape records
+                return None
+            out = torch.empty_strided(shape, make_contiguous_strides_for(shape), dtype=grad.dtype,
+                                      device=grad.device)
+        t = self._tracer
+        proxy = t.tracer.create_proxy("call_function", torch.ops.aten.view.default,
+                                      (t.proxy(grad), [t.arg(d) for d in shape]), {}, name="view")
+        track_tensor_tree(out, proxy, constant=None, tracer=t.tracer)
+        return out
 
 
 class _Input:
