@@ -177,3 +177,18 @@ def test_sizes_of_one_tensor_share_a_symbol_and_coincidences_do_not():
         assert {meta + d, result + d, mat1 + d} <= positions
         assert groups[meta + d] == groups[result + d] == groups[mat1 + d]
     assert call.sizes[meta] == call.sizes[meta + 1] and groups[meta] != groups[meta + 1]
+
+
+def test_a_view_shares_only_the_dims_its_reshape_keeps():
+    # (4, 4, 4) viewed as (16, 4): the last dim is one dim on both sides; the first two
+    # merge into 16, and equal sizes alone (4 and 4) tie nothing.
+    x = torch.randn(4, 4, 4, requires_grad=True)
+    loss = (x * 2).view(16, 4).sin().sum()
+    call = walk_backward((loss,), (torch.ones_like(loss),), (), True)
+    positions = dynamic_candidates(call)
+    groups = same_sizes(call, positions)
+    view = next(i for i, n in enumerate(call.nodes) if type(n).__name__ == "ViewBackward0")
+    meta = dict(call.meta_slots())[(view, 0)]  # the gradient's (16, 4)
+    target = call.records[view].values["_saved_self_sym_sizes"][0]  # (4, 4, 4)
+    assert groups[meta + 1] == groups[target + 2]
+    assert len({groups[meta], groups[meta + 1], groups[target], groups[target + 1]}) == 4

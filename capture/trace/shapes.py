@@ -198,10 +198,41 @@ def same_sizes(call: BackwardCall, positions) -> dict:
         if slot is None or len(rec.edges) != 1 or rec.edges[0] is None:
             continue
         start, layout = slot
+        if not isinstance(layout, tuple) or any(e is not None for e in layout):
+            continue
         meta = metas.get(rec.edges[0])
-        if meta is not None and isinstance(layout, tuple) and len(layout) == meta[1]:
+        if meta is not None and len(layout) == meta[1]:
             tie(meta[0], start, meta[1])
+        own = metas.get((i, 0))
+        if own is not None and type(call.nodes[i]).__name__ in _VIEW_NODES:
+            for a, b in _reshape_pairs(sizes[own[0]:own[0] + own[1]], sizes[start:start + len(layout)]):
+                tie(own[0] + a, start + b, 1)
     return {p: find(p) for p in positions}
+
+
+# Nodes whose backward reshapes the gradient (its metadata) to the saved self_sym_sizes.
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+
+
+def _reshape_pairs(source, target) -> list:
+    """(source dim, target dim) pairs that a reshape keeps as one dim: walked as reshape
+    groups dims (consecutive runs with equal products), a dim alone on both sides of its
+    group.  What the view rule would otherwise equate with a guard during the trace."""
+    pairs, i, j = [], 0, 0
+    while i < len(source) and j < len(target):
+        if source[i] == target[j]:
+            pairs.append((i, j))
+            i, j = i + 1, j + 1
+            continue
+        pa, pb, i, j = source[i], target[j], i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(source):
+                pa, i = pa * source[i], i + 1
+            elif pb < pa and j < len(target):
+                pb, j = pb * target[j], j + 1
+            else:
+                return pairs
+    return pairs
 
 
 class SymbolicSizes:
