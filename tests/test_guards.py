@@ -177,6 +177,9 @@ def test_sizes_of_one_tensor_share_a_symbol_and_coincidences_do_not():
         assert {meta + d, result + d, mat1 + d} <= positions
         assert groups[meta + d] == groups[result + d] == groups[mat1 + d]
     assert call.sizes[meta] == call.sizes[meta + 1] and groups[meta] != groups[meta + 1]
+    # tanh keeps its input's shape: its metadata and the first Linear's output share too
+    producer = dict(call.meta_slots())[call.records[tanh].edges[0]]
+    assert groups[producer] == groups[meta] and groups[producer + 1] == groups[meta + 1]
 
 
 def test_a_view_shares_only_the_dims_its_reshape_keeps():

@@ -152,7 +152,9 @@ def same_sizes(call: BackwardCall, positions) -> dict:
       activation ``t`` is output ``t.output_nr`` of ``t.grad_fn``, whose metadata recorded
       its shape; a root gradient has its root's shape);
     * ``self_sym_sizes`` saved by a node whose one input is ``self`` and the metadata of
-      the node that input comes from (views, expands, sums).
+      the node that input comes from (views, expands, sums);
+    * the output and first input of ops that keep their input's shape (``_SHAPE_KEEPING``),
+      and the dims a view keeps (``_reshape_pairs``).
 
     Such positions are equal in every backward of the structure, so sharing costs no
     generality; it spares the trace from finding each equality with a guard (Llama's
@@ -194,6 +196,10 @@ def same_sizes(call: BackwardCall, positions) -> dict:
         if meta is not None and meta[1] == ndim:
             tie(meta[0], start, ndim)
     for i, rec in enumerate(call.records):
+        if rec.edges and rec.edges[0] is not None and type(call.nodes[i]).__name__ in _SHAPE_KEEPING:
+            own, meta = metas.get((i, 0)), metas.get(rec.edges[0])
+            if own is not None and meta is not None and own[1] == meta[1]:
+                tie(own[0], meta[0], own[1])
         slot = rec.values.get("_saved_self_sym_sizes")
         if slot is None or len(rec.edges) != 1 or rec.edges[0] is None:
             continue
@@ -209,6 +215,17 @@ def same_sizes(call: BackwardCall, positions) -> dict:
                 tie(own[0] + a, start + b, 1)
     return {p: find(p) for p in positions}
 
+
+# Nodes of ops whose output has the shape of their first input (pointwise with one tensor
+# input, normalizations, softmax): their metadata and that input's share sizes.
+_SHAPE_KEEPING = frozenset({
+    "AbsBackward0", "AddBackward1", "CloneBackward0", "CosBackward0", "DivBackward1", "EluBackward0",
+    "ExpBackward0", "GeluBackward0", "HardswishBackward0", "LeakyReluBackward0", "LogBackward0",
+    "LogSigmoidBackward0", "LogSoftmaxBackward0", "MulBackward1", "NativeDropoutBackward0",
+    "NativeLayerNormBackward0", "NegBackward0", "PowBackward0", "ReluBackward0", "RsqrtBackward0",
+    "SigmoidBackward0", "SiluBackward0", "SinBackward0", "SoftmaxBackward0", "SqrtBackward0",
+    "SubBackward1", "TanhBackward0", "ThresholdBackward0", "ToCopyBackward0",
+})
 
 # Nodes whose backward reshapes the gradient (its metadata) to the saved self_sym_sizes.
 _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
