@@ -22,15 +22,17 @@ and a length change). Skipped when transformers is not installed (``pip install 
 times per model and mode.
 
 Measured (transformers 5.24, 2 cores; all gradients bitwise equal, no fallback), over
-the nine shapes, before → after the symbolic-capture changes of issue 15 (static
-parameter sizes, reshape dims tied where they correspond):
+the nine shapes: before issue 15 -> after its first symbolic-capture changes (static
+parameter sizes, reshape dims tied where they correspond) -> now (collector paused
+during captures, no fake-tensor cache for symbolic traces, contiguous views recorded
+directly, symbols shared between sizes that are one by construction):
 
 | model (attention) | dynamic=True: captures, first capture | "auto": captures, slowest recapture |
 | --- | --- | --- |
-| gpt2 (eager) | 1, 56 s → 1, 7.7 s | 3, 28 s → 3, 1.6 s |
-| llama (sdpa) | 1, 41 s → 1, 9.4 s | 3, 21 s → 3, 1.9 s |
-| bert (sdpa, padding) | 1, 27 s → 1, 6.8 s | 3, 13 s → 3, 0.9 s |
-| t5 (eager) | 1, 653 s → 1, 68 s | 3, 541 s → 3, 6.5 s |
+| gpt2 (eager) | 1, 56 s -> 7.7 s -> 3.1 s | 3, 28 s -> 1.6 s -> 0.8 s |
+| llama (sdpa) | 1, 41 s -> 9.4 s -> 3.2 s | 3, 21 s -> 1.9 s -> 0.9 s |
+| bert (sdpa, padding) | 1, 27 s -> 6.8 s -> 2.2 s | 3, 13 s -> 0.9 s -> 0.6 s |
+| t5 (eager) | 1, 653 s -> 68 s -> 8.1 s | 3, 541 s -> 6.5 s -> 2.2 s |
 
 "auto" recaptures once when the batch size changes and once more when the length
 does.
