@@ -76,8 +76,9 @@ class _SymbolicSaved:
     def contiguous_view(self, grad, shape):
         """``grad.view(shape)`` recorded directly, for a gradient laid out contiguously:
         its result is the contiguous tensor of ``shape``.  Fake reshape would reach the
-        same by proving stride equalities in sympy, a third of GPT-2's first symbolic
-        capture.  None where that is not known without a guard (then: reshape)."""
+        same by proving stride equalities in sympy (on GPT-2's first symbolic capture its
+        view backwards took 1.35 s that way, 0.8 s this way).  None where contiguity is
+        not known without a guard (then: reshape)."""
         with disable_proxy_modes_tracing():  # size arithmetic for the guards, not the graph
             if not is_contiguous_or_false(grad):
                 return None
