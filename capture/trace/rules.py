@@ -89,6 +89,25 @@ class RealSaved:
         return None  # real tensors: reshape itself
 
 
+def reshape_groups(source, target):
+    """The dim groups of a reshape from ``source`` to ``target`` sizes (ints), in order:
+    (source indices, target indices) per run of dims with equal products; stops where
+    the products do not meet (sizes that are not a reshape of each other)."""
+    i = j = 0
+    while i < len(source) and j < len(target):
+        ga, gb, pa, pb, i, j = [i], [j], source[i], target[j], i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(source):
+                ga.append(i)
+                pa, i = pa * source[i], i + 1
+            elif pb < pa and j < len(target):
+                gb.append(j)
+                pb, j = pb * target[j], j + 1
+            else:
+                return
+        yield ga, gb
+
+
 def apply_rule(node, grads, saved=None):
     """Run ``node``'s rule (or None if it has none)."""
     fn = RULES.get(type(node).__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .rules import rule
+from .rules import reshape_groups, rule
 
 aten = torch.ops.aten
 INT64_MAX = 2**63 - 1
@@ -188,26 +188,13 @@ def _tie_matching_dims(source, target) -> None:
         src, dst = _atoms(source, env), _atoms(target, env)
     except TypeError:  # a size without a value (data-dependent): reshape decides alone
         return
-    i = j = 0
-    while i < len(src) and j < len(dst):
-        (a, ha), (b, hb) = src[i], dst[j]
-        if ha == hb:
+    for ga, gb in reshape_groups([h for _, h in src], [h for _, h in dst]):
+        a, b = src[ga[0]][0], dst[gb[0]][0]
+        if len(ga) == 1 and len(gb) == 1:
             if a != b:
                 env.evaluate_expr(sympy.Eq(a, b))  # size branch: guards the equality (true here)
-            i, j = i + 1, j + 1
-            continue
-        group_a, group_b, pa, pb, i, j = [a], [b], ha, hb, i + 1, j + 1
-        while pa != pb:
-            if pa < pb and i < len(src):
-                group_a.append(src[i][0])
-                pa, i = pa * src[i][1], i + 1
-            elif pb < pa and j < len(dst):
-                group_b.append(dst[j][0])
-                pb, j = pb * dst[j][1], j + 1
-            else:
-                return
-        if len(group_b) == 1 and isinstance(b, sympy.Symbol):
-            env.evaluate_expr(sympy.Eq(b, sympy.Mul(*group_a)))  # size branch: as above
+        elif len(gb) == 1 and isinstance(b, sympy.Symbol):
+            env.evaluate_expr(sympy.Eq(b, sympy.Mul(*(src[k][0] for k in ga))))  # size branch: as above
 
 
 @rule("ExpandBackward0")

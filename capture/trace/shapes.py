@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
 
-from .rules import RULES
+from .rules import RULES, reshape_groups
 from ..graph.kinds import ACCUMULATE, TRACED
 from ..graph.walk import BackwardCall
 
@@ -154,7 +154,7 @@ def same_sizes(call: BackwardCall, positions) -> dict:
     * ``self_sym_sizes`` saved by a node whose one input is ``self`` and the metadata of
       the node that input comes from (views, expands, sums);
     * the output and first input of ops that keep their input's shape (``_SHAPE_KEEPING``),
-      and the dims a view keeps (``_reshape_pairs``).
+      and the dims a view keeps (``rules.reshape_groups``).
 
     Such positions are equal in every backward of the structure, so sharing costs no
     generality; it spares the trace from finding each equality with a guard (Llama's
@@ -211,8 +211,10 @@ def same_sizes(call: BackwardCall, positions) -> dict:
             tie(meta[0], start, meta[1])
         own = metas.get((i, 0))
         if own is not None and type(call.nodes[i]).__name__ in _VIEW_NODES:
-            for a, b in _reshape_pairs(sizes[own[0]:own[0] + own[1]], sizes[start:start + len(layout)]):
-                tie(own[0] + a, start + b, 1)
+            # the dims the reshape keeps: alone on both sides of their group
+            for a, b in reshape_groups(sizes[own[0]:own[0] + own[1]], sizes[start:start + len(layout)]):
+                if len(a) == 1 and len(b) == 1:
+                    tie(own[0] + a[0], start + b[0], 1)
     return {p: find(p) for p in positions}
 
 
@@ -229,27 +231,6 @@ _SHAPE_KEEPING = frozenset({
 
 # Nodes whose backward reshapes the gradient (its metadata) to the saved self_sym_sizes.
 _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
-
-
-def _reshape_pairs(source, target) -> list:
-    """(source dim, target dim) pairs that a reshape keeps as one dim: walked as reshape
-    groups dims (consecutive runs with equal products), a dim alone on both sides of its
-    group.  What the view rule would otherwise equate with a guard during the trace."""
-    pairs, i, j = [], 0, 0
-    while i < len(source) and j < len(target):
-        if source[i] == target[j]:
-            pairs.append((i, j))
-            i, j = i + 1, j + 1
-            continue
-        pa, pb, i, j = source[i], target[j], i + 1, j + 1
-        while pa != pb:
-            if pa < pb and i < len(source):
-                pa, i = pa * source[i], i + 1
-            elif pb < pa and j < len(target):
-                pb, j = pb * target[j], j + 1
-            else:
-                return pairs
-    return pairs
 
 
 class SymbolicSizes:
