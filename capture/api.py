@@ -68,8 +68,9 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=Non
             raise RuntimeError(unused_input_message(k))
     positions = {}
     if dynamic is True:
-        from .trace.shapes import baked_positions, dynamic_candidates, share_symbols
-        positions = share_symbols(call, dynamic_candidates(call) - baked_positions(call))
+        from .trace.shapes import baked_positions, dynamic_candidates
+        from .trace.size_relations import relate
+        positions = relate(call, dynamic_candidates(call) - baked_positions(call))
     try:
         made = pipeline.capture_call(call, positions, session.passes, names=session.names,
                                      grad_inputs=inputs or (), keep_code=True)

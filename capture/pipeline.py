@@ -34,6 +34,7 @@ class Capture:
     size_positions: list  # positions of call.sizes passed to the graph, before its inputs
     example_inputs: list
     opaque: list  # labels of the autograd nodes run as the real node
+    dynamic_positions: set = frozenset()  # every non-static position: those above and their products
     compiled: object = None  # what ``compile`` returned
 
     @property
@@ -79,7 +80,8 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
                                   capture_seconds=trace.seconds, example_inputs=examples)
             log.info("gradfx: captured %d autograd nodes into %d fx nodes (%d opaque) in %.1f ms",
                      len(call.nodes), len(gm.graph.nodes), len(trace.opaque), (time.perf_counter() - start) * 1e3)
-            made = Capture(graph, guard, size_positions, examples, trace.opaque)
+            made = Capture(graph, guard, size_positions, examples, trace.opaque,
+                           symbolic.dynamic if symbolic is not None else frozenset())
             if compile is not None:
                 made.compiled = compile(gm, examples)
     except BaseException:

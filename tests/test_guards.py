@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradfx.capture.trace.shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates, same_sizes
+from gradfx.capture.trace.shapes import Guard, SymbolicSizes, baked_positions, dynamic_candidates
+from gradfx.capture.trace.size_relations import Product, relate
 from gradfx.capture.trace.tracer import trace_backward
 from gradfx.capture.graph.walk import walk_backward
 
@@ -65,7 +66,7 @@ def _symbolic_capture(name, shared=False):
     model = make()
     call = _sizes_of(model, shape)
     positions = dynamic_candidates(call) - baked_positions(call)
-    symbolic = SymbolicSizes(call.sizes, positions, same_sizes(call, positions) if shared else None)
+    symbolic = SymbolicSizes(call.sizes, positions, relate(call, positions) if shared else None)
     trace_backward(call, symbolic)
     real = []
     for other in others:
@@ -78,7 +79,7 @@ def _symbolic_capture(name, shared=False):
 def _reference(symbolic, sizes) -> bool:
     """The ShapeEnv's conditions evaluated by sympy, independently of the compiled guard."""
     env = symbolic.shape_env
-    dynamic = set(symbolic.positions)
+    dynamic = symbolic.dynamic
     if any(sizes[p] != v for p, v in enumerate(symbolic.sizes) if p not in dynamic):
         return False
     values = {}
@@ -90,6 +91,9 @@ def _reference(symbolic, sizes) -> bool:
         if sizes[p] not in env.var_to_range[sym]:
             return False
         if env.replace(sym).xreplace(values) != values[sym]:
+            return False
+    for p, expr in symbolic.derived.items():  # products of other sizes
+        if symbolic.symbol[p].xreplace(values) != sizes[p]:
             return False
     return all(g.expr.xreplace(values) == sympy.true for g in env.guards)
 
@@ -167,19 +171,21 @@ def test_sizes_of_one_tensor_share_a_symbol_and_coincidences_do_not():
     loss = second(h).sum()
     call = walk_backward((loss,), (torch.ones_like(loss),), (), True)
     positions = dynamic_candidates(call)
-    groups = same_sizes(call, positions)
+    groups = relate(call, positions)
     tanh = next(i for i, n in enumerate(call.nodes) if type(n).__name__ == "TanhBackward0")
     addmm = next(i for i, n in enumerate(call.nodes) if type(n).__name__ == "AddmmBackward0")
     meta = dict(call.meta_slots())[(tanh, 0)]
     result = call.tensor_slots[call.records[tanh].saved[0]][0]  # tanh's saved output
     mat1 = next(call.tensor_slots[pos][0] for pos in call.records[addmm].saved if call.inputs[pos] is h)
-    for d in (0, 1):
-        assert {meta + d, result + d, mat1 + d} <= positions
-        assert groups[meta + d] == groups[result + d] == groups[mat1 + d]
-    assert call.sizes[meta] == call.sizes[meta + 1] and groups[meta] != groups[meta + 1]
+    assert {meta, result, mat1} <= positions
+    assert groups[meta] == groups[result] == groups[mat1]  # the batch
+    # the features are the weights' size (mm's inner dim, a parameter's): static; the
+    # batch, equal to them, stays a symbol
+    assert call.sizes[meta] == call.sizes[meta + 1]
+    assert meta + 1 not in groups and result + 1 not in groups and mat1 + 1 not in groups
     # tanh keeps its input's shape: its metadata and the first Linear's output share too
     producer = dict(call.meta_slots())[call.records[tanh].edges[0]]
-    assert groups[producer] == groups[meta] and groups[producer + 1] == groups[meta + 1]
+    assert groups[producer] == groups[meta] and producer + 1 not in groups
 
 
 def test_a_view_shares_only_the_dims_its_reshape_keeps():
@@ -189,9 +195,52 @@ def test_a_view_shares_only_the_dims_its_reshape_keeps():
     loss = (x * 2).view(16, 4).sin().sum()
     call = walk_backward((loss,), (torch.ones_like(loss),), (), True)
     positions = dynamic_candidates(call)
-    groups = same_sizes(call, positions)
+    groups = relate(call, positions)
     view = next(i for i, n in enumerate(call.nodes) if type(n).__name__ == "ViewBackward0")
     meta = dict(call.meta_slots())[(view, 0)]  # the gradient's (16, 4)
     target = call.records[view].values["_saved_self_sym_sizes"][0]  # (4, 4, 4)
     assert groups[meta + 1] == groups[target + 2]
-    assert len({groups[meta], groups[meta + 1], groups[target], groups[target + 1]}) == 4
+    assert len({groups[meta + 1], groups[target], groups[target + 1]}) == 3
+    # the merged 16 is no symbol of its own: the product of the two dims it merges
+    assert groups[meta] == Product((1,) + tuple(sorted((groups[target], groups[target + 1]))))
+
+
+def test_a_product_position_is_guarded_as_the_product():
+    symbolic = SymbolicSizes([2, 3, 6], {0, 1, 2}, {0: 0, 1: 1, 2: Product((1, 0, 1))})
+    assert symbolic.positions == [0, 1] and set(symbolic.derived) == {2}
+    guard = Guard.build(symbolic)
+    assert guard([2, 3, 6]) and guard([4, 5, 20])
+    assert not guard([4, 5, 21]) and not guard([4, 5, 6])
+    assert any("sizes[2] ==" in line for line in guard.text)
+
+
+def test_relations_hold_in_the_previous_backward_too():
+    """Recapturing, a relation is assumed only where both backwards satisfy it: sizes
+    equal now by chance (8 == 8) but not before (4 != 8) stay apart."""
+    x = torch.randn(8, 8, 3, requires_grad=True)
+    loss = (x * 2).view(64, 3).sin().sum()
+    call = walk_backward((loss,), (torch.ones_like(loss),), (), True)
+    positions = dynamic_candidates(call)
+    view = next(i for i, n in enumerate(call.nodes) if type(n).__name__ == "ViewBackward0")
+    meta = dict(call.meta_slots())[(view, 0)]  # (64, 3)
+    target = call.records[view].values["_saved_self_sym_sizes"][0]  # (8, 8, 3)
+    now = relate(call, positions)
+    assert isinstance(now[meta], Product)
+    previous = list(call.sizes)
+    previous[target] = 4  # as if the first dim was 4 and the merged one still 64: no product
+    later = relate(call, positions, previous)
+    assert not isinstance(later[meta], Product) and later[target] != later[target + 1]
+
+
+def test_strides_of_a_transposed_saved_tensor_are_products_of_its_sizes():
+    a = torch.randn(5, 7, requires_grad=True)
+    b = torch.randn(6, 7, requires_grad=True)
+    loss = (a * 1).mm((b * 1).t()).sum()  # mm saves b.t(): sizes (7, 6), strides (1, 7)
+    call = walk_backward((loss,), (torch.ones_like(loss),), (), True)
+    positions = dynamic_candidates(call)
+    groups = relate(call, positions)
+    slots = [s for s in call.tensor_slots.values() if s[2] >= 0]
+    assert slots
+    start, ndim, stride_start = slots[0]
+    assert call.sizes[stride_start + 1] == 7
+    assert groups[stride_start + 1] == Product((1, groups[start]))  # stride 7 is the size 7

@@ -234,8 +234,8 @@ class Session:
             specs = _output_specs(captured.graph_module.graph)
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
                                  guard, made.size_positions, failed, specs)
-        if made.size_positions:
-            cache.dynamic_positions[structure] = set(made.size_positions)
+        if made.dynamic_positions:
+            cache.dynamic_positions[structure] = made.dynamic_positions
         cache.put(structure, call.sizes, entry, dynamic=bool(made.size_positions))
         self._add_fast_walker(call, structure, tensors)
         return entry
@@ -257,7 +257,8 @@ class Session:
         """position -> symbol group, for the sizes this capture makes symbolic."""
         if self.dynamic is False:
             return {}
-        from ..trace.shapes import baked_positions, changed_positions, dynamic_candidates, share_symbols
+        from ..trace.shapes import baked_positions, changed_positions, dynamic_candidates
+        from ..trace.size_relations import relate
         previous = cache.last_sizes.get(structure)
         if self.dynamic is not True and previous is None:
             return {}
@@ -268,7 +269,7 @@ class Session:
             wanted = wanted | dynamic_candidates(call)
         # A size of 0 or 1 stays static (broadcasting), even where an earlier graph had a symbol.
         wanted = {p for p in wanted if call.sizes[p] >= 2}
-        return share_symbols(call, wanted - baked_positions(call), previous)
+        return relate(call, wanted - baked_positions(call), previous)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list):
         """(compiled callable, None), or (eager stand-in, reason) if the backend failed.

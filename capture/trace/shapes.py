@@ -29,7 +29,8 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
 
-from .rules import RULES, reshape_groups
+from .rules import RULES
+from .size_relations import Product
 from ..graph.kinds import ACCUMULATE, TRACED
 from ..graph.walk import BackwardCall
 
@@ -124,115 +125,6 @@ def _count(layout) -> int:
     return sum(_count(x) for x in layout)
 
 
-def share_symbols(call: BackwardCall, positions, previous=None) -> dict:
-    """Which dynamic positions share one symbol (position -> group).
-
-    Sizes of one dimension (a batch in every activation) move together, and one
-    symbol for them keeps the symbolic trace small: a symbol per position made a
-    BERT recapture 30 times slower.  Knowing an earlier backward of the structure,
-    positions that were equal then and are equal now share one (two dims equal
-    twice by chance still share one, until a third backward tells them apart: the
-    guard rejects it and the recapture separates them).  From one backward alone
-    equal sizes may be a coincidence (a batch of 4 and a layer of 4 outputs), so
-    only what autograd's own records say is one size shares a symbol
-    (:func:`same_sizes`); every other position gets its own, so that the graph
-    fits every later size it can.
-    """
-    if previous is None:
-        return same_sizes(call, positions)
-    sizes = call.sizes
-    return {p: (sizes[p], previous[p]) for p in positions}
-
-
-def same_sizes(call: BackwardCall, positions) -> dict:
-    """position -> group, where a group holds positions that are one size by construction:
-
-    * the sizes of one tensor object, wherever the walk met it (saved by two nodes);
-    * a tensor's sizes and the input metadata its autograd node keeps for it (a saved
-      activation ``t`` is output ``t.output_nr`` of ``t.grad_fn``, whose metadata recorded
-      its shape; a root gradient has its root's shape);
-    * ``self_sym_sizes`` saved by a node whose one input is ``self`` and the metadata of
-      the node that input comes from (views, expands, sums);
-    * the output and first input of ops that keep their input's shape (``_SHAPE_KEEPING``),
-      and the dims a view keeps (``rules.reshape_groups``).
-
-    Such positions are equal in every backward of the structure, so sharing costs no
-    generality; it spares the trace from finding each equality with a guard (Llama's
-    first symbolic capture: 904 symbols -> 585, 6.7 s -> 4.8 s).  Positions tie only
-    where their sizes are equal now, so a surprise costs a recapture, never a result.
-    """
-    dynamic = set(positions)
-    sizes = call.sizes
-    parent: dict = {}
-
-    def find(p):
-        while parent.get(p, p) != p:
-            parent[p] = parent.get(parent[p], parent[p])
-            p = parent[p]
-        return p
-
-    def tie(a, b, n):
-        for d in range(n):
-            x, y = a + d, b + d
-            if x in dynamic and y in dynamic and sizes[x] == sizes[y]:
-                rx, ry = find(x), find(y)
-                if rx != ry:
-                    parent[max(rx, ry)] = min(rx, ry)
-
-    metas = {}  # (node index, input_nr) -> (start, ndim)
-    for (i, nr), start in call.meta_slots():
-        metas[(i, nr)] = (start, len(call.nodes[i]._input_metadata[nr].shape))
-    index = {id(node): i for i, node in enumerate(call.nodes)}
-    first = {}  # id(tensor) -> start of its sizes where first met
-    for pos, (start, ndim, _) in call.tensor_slots.items():
-        t = call.inputs[pos]
-        tie(first.setdefault(id(t), start), start, ndim)
-        if pos < len(call.roots):
-            meta = metas.get(call.roots[pos])
-        else:
-            fn = t.grad_fn
-            i = index.get(id(fn)) if fn is not None else None
-            meta = metas.get((i, t.output_nr)) if i is not None else None
-        if meta is not None and meta[1] == ndim:
-            tie(meta[0], start, ndim)
-    for i, rec in enumerate(call.records):
-        if rec.edges and rec.edges[0] is not None and type(call.nodes[i]).__name__ in _SHAPE_KEEPING:
-            own, meta = metas.get((i, 0)), metas.get(rec.edges[0])
-            if own is not None and meta is not None and own[1] == meta[1]:
-                tie(own[0], meta[0], own[1])
-        slot = rec.values.get("_saved_self_sym_sizes")
-        if slot is None or len(rec.edges) != 1 or rec.edges[0] is None:
-            continue
-        start, layout = slot
-        if not isinstance(layout, tuple) or any(e is not None for e in layout):
-            continue
-        meta = metas.get(rec.edges[0])
-        if meta is not None and len(layout) == meta[1]:
-            tie(meta[0], start, meta[1])
-        own = metas.get((i, 0))
-        if own is not None and type(call.nodes[i]).__name__ in _VIEW_NODES:
-            # the dims the reshape keeps: alone on both sides of their group
-            for a, b in reshape_groups(sizes[own[0]:own[0] + own[1]], sizes[start:start + len(layout)]):
-                if len(a) == 1 and len(b) == 1:
-                    tie(own[0] + a[0], start + b[0], 1)
-    return {p: find(p) for p in positions}
-
-
-# Nodes of ops whose output has the shape of their first input (pointwise with one tensor
-# input, normalizations, softmax): their metadata and that input's share sizes.
-_SHAPE_KEEPING = frozenset({
-    "AbsBackward0", "AddBackward1", "CloneBackward0", "CosBackward0", "DivBackward1", "EluBackward0",
-    "ExpBackward0", "GeluBackward0", "HardswishBackward0", "LeakyReluBackward0", "LogBackward0",
-    "LogSigmoidBackward0", "LogSoftmaxBackward0", "MulBackward1", "NativeDropoutBackward0",
-    "NativeLayerNormBackward0", "NegBackward0", "PowBackward0", "ReluBackward0", "RsqrtBackward0",
-    "SigmoidBackward0", "SiluBackward0", "SinBackward0", "SoftmaxBackward0", "SqrtBackward0",
-    "SubBackward1", "TanhBackward0", "ThresholdBackward0", "ToCopyBackward0",
-})
-
-# Nodes whose backward reshapes the gradient (its metadata) to the saved self_sym_sizes.
-_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
-
-
 class SymbolicSizes:
     """The symbols of one capture: position -> SymInt, in a fresh ShapeEnv.
 
@@ -243,12 +135,16 @@ class SymbolicSizes:
     def __init__(self, sizes: list, dynamic, groups: dict | None = None):
         self.shape_env = ShapeEnv(duck_shape=False)
         self.sizes = list(sizes)
-        self.positions = sorted(dynamic)
+        groups = groups if groups is not None else {}
+        # Derived positions (a Product of other groups' symbols) get no symbol of their
+        # own and are no input of the graph: the guard checks them against the product.
+        self.derived = {p: groups[p] for p in dynamic if isinstance(groups.get(p), Product)}
+        self.positions = sorted(p for p in dynamic if p not in self.derived)
         self.symint = {}
         self.symbol = {}  # position -> its symbol (SymNode.expr shows replacements)
         made: dict = {}
         for p in self.positions:
-            group = groups[p] if groups is not None else p
+            group = groups.get(p, p)
             if group in made:
                 self.symbol[p], self.symint[p] = made[group]
                 continue
@@ -257,6 +153,17 @@ class SymbolicSizes:
             self.symbol[p] = sym
             self.symint[p] = self.shape_env.create_symintnode(sym, hint=sizes[p], source=source)
             made[group] = (sym, self.symint[p])
+        for p, product in self.derived.items():
+            value = product.const
+            for root in product.factors:
+                value = value * made[groups.get(root, root)][1]
+            self.symint[p] = value
+            self.symbol[p] = value.node.expr
+
+    @property
+    def dynamic(self) -> set:
+        """Every position that is not static: symbols and products of them."""
+        return set(self.positions) | set(self.derived)
 
     def value(self, p):
         return self.symint.get(p, self.sizes[p])
@@ -322,13 +229,14 @@ class Guard:
             else:
                 bound[p] = sym
         shown_conditions, implied = guard_conditions(symbolic)
+        others.update((p, symbolic.symbol[p]) for p in symbolic.derived)
         alias = {p: sympy.Symbol(f"_p{p}", integer=True) for p in others}
         shown_conditions += [sympy.Eq(alias[p], sym, evaluate=False) for p, sym in others.items()]
         conditions = shown_conditions + implied
         unbound = set().union(*(c.free_symbols for c in conditions)) - set(bound.values()) - set(alias.values())
         if unbound:  # a symbol no size stands for (data-dependent): no guard can check it
             raise ValueError(f"guard uses symbols without a size: {sorted(map(str, unbound))}")
-        dynamic = set(symbolic.positions)
+        dynamic = symbolic.dynamic
         static = [p for p in range(len(symbolic.sizes)) if p not in dynamic]
         printer = PythonPrinter()
         bindings = [f"{bound[p]} = sizes[{p}]" for p in sorted(bound)] + [f"_p{p} = sizes[{p}]" for p in sorted(others)]

@@ -140,6 +140,13 @@ class _Tracer:
                 proxy.node.meta["gradfx_kind"] = "size"
                 proxy.node.meta["val"] = symbolic.symint[p]
                 track_tensor_tree(symbolic.symint[p], proxy, constant=None, tracer=self.tracer)
+            if symbolic.derived:  # products of the size inputs, computed in the graph
+                with self.fake_mode, self.proxy_mode:
+                    for p, product in symbolic.derived.items():
+                        value = product.const
+                        for root in product.factors:
+                            value = symbolic.symint[root] * value
+                        symbolic.symint[p] = value
         for i, (value, kind) in enumerate(zip(call.inputs, call.input_kinds)):
             proxy = self.tracer.create_proxy("placeholder", f"{names[kind]}_{i}", (), {})
             proxy.node.meta["gradfx_kind"] = kind
