@@ -49,6 +49,7 @@ class _Relations:
         self.dynamic = dynamic
         self.parent: dict = {}
         self.products: dict = {}  # position -> factor positions
+        self.pinned: set = set()  # positions found static
 
     def _holds(self, x, y) -> bool:
         s, p = self.sizes, self.previous
@@ -81,11 +82,33 @@ class _Relations:
                 return
         self.products[p] = tuple(factors)
 
+    def pin(self, p) -> None:
+        """``p`` is static (it did not change since the previous backward)."""
+        if p in self.dynamic and (self.previous is None or self.previous[p] == self.sizes[p]):
+            self.pinned.add(p)
+
+    def _merge_products(self) -> None:
+        """One size that is two products (B*T viewed from two sides): their factors are
+        one size each, where they agree in order (B with B, T with T)."""
+        changed = True
+        while changed:
+            changed = False
+            first: dict = {}
+            for p, factors in self.products.items():
+                other = first.setdefault(self.find(p), factors)
+                if other is factors or len(other) != len(factors):
+                    continue
+                before = [self.find(f) for f in factors]
+                self.tie(other, factors)
+                changed |= [self.find(f) for f in factors] != before
+
     def groups(self, positions) -> dict:
         """position -> int (symbol group) or Product; static positions are left out."""
+        self._merge_products()
         dynamic = self.dynamic
         static_roots = {self.find(p) for p in self.parent if p not in dynamic}
         static_roots |= {self.find(p) for p in self.parent.values() if p not in dynamic}
+        static_roots |= {self.find(p) for p in self.pinned}
         derived = {}
         for p, factors in self.products.items():
             derived.setdefault(self.find(p), factors)
@@ -273,9 +296,19 @@ def _view(rel, n):
         if len(a) == 1 and len(b) == 1:
             rel.tie([own[a[0]]], [src[b[0]]])
         elif len(a) == 1:
-            rel.derive(own[a[0]], [src[d] for d in b])
+            _split_dim(rel, own[a[0]], [src[d] for d in b])
         elif len(b) == 1:
-            rel.derive(src[b[0]], [own[d] for d in a])
+            _split_dim(rel, src[b[0]], [own[d] for d in a])
+
+
+def _split_dim(rel, whole, parts):
+    """``whole`` is the product of ``parts``; a static whole (a model's width split into
+    heads and head size) has static parts."""
+    if whole in rel.dynamic:
+        rel.derive(whole, parts)
+    else:
+        for p in parts:
+            rel.pin(p)
 
 
 def _mm(rel, n, first="self"):
