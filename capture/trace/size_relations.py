@@ -49,6 +49,7 @@ class _Relations:
         self.dynamic = dynamic
         self.parent: dict = {}
         self.products: dict = {}  # position -> factor positions
+        self.pieces: list = []  # (whole, parts): a static whole has static parts
         self.pinned: set = set()  # positions found static
 
     def _holds(self, x, y) -> bool:
@@ -73,14 +74,19 @@ class _Relations:
 
     def derive(self, p, factors) -> None:
         """``p`` is the product of ``factors`` (positions), where the sizes agree."""
-        if p is None or p not in self.dynamic or p in self.products or not factors or None in factors:
-            return
-        if p in factors:
+        if p is None or not factors or None in factors or p in factors:
             return
         for sizes in (self.sizes, self.previous):
             if sizes is not None and sizes[p] != math.prod(sizes[f] for f in factors):
                 return
-        self.products[p] = tuple(factors)
+        self.pieces.append((p, tuple(factors)))
+        if p in self.dynamic:
+            self.products.setdefault(p, tuple(factors))
+
+    def piece_of(self, whole, parts) -> None:
+        """``parts`` are pieces of ``whole`` (a split, a cat): static where it is."""
+        if whole is not None and None not in parts:
+            self.pieces.append((whole, tuple(parts)))
 
     def pin(self, p) -> None:
         """``p`` is static (it did not change since the previous backward)."""
@@ -102,13 +108,29 @@ class _Relations:
                 self.tie(other, factors)
                 changed |= [self.find(f) for f in factors] != before
 
+    def _static_roots(self) -> set:
+        dynamic = self.dynamic
+        roots = {self.find(p) for p in self.parent if p not in dynamic}
+        roots |= {self.find(p) for p in self.parent.values() if p not in dynamic}
+        return roots | {self.find(p) for p in self.pinned}
+
     def groups(self, positions) -> dict:
         """position -> int (symbol group) or Product; static positions are left out."""
         self._merge_products()
         dynamic = self.dynamic
-        static_roots = {self.find(p) for p in self.parent if p not in dynamic}
-        static_roots |= {self.find(p) for p in self.parent.values() if p not in dynamic}
-        static_roots |= {self.find(p) for p in self.pinned}
+        static_roots = self._static_roots()
+        # The parts of a static whole are static: a model's width split into heads and
+        # head size, a fused projection split in three (found until nothing changes).
+        while True:
+            before = len(self.pinned)
+            for whole, parts in self.pieces:
+                if whole not in dynamic or self.find(whole) in static_roots:
+                    for p in parts:
+                        if self.find(p) not in static_roots:
+                            self.pin(p)
+            if len(self.pinned) == before:
+                break
+            static_roots = self._static_roots()
         derived = {}
         for p, factors in self.products.items():
             derived.setdefault(self.find(p), factors)
@@ -296,19 +318,9 @@ def _view(rel, n):
         if len(a) == 1 and len(b) == 1:
             rel.tie([own[a[0]]], [src[b[0]]])
         elif len(a) == 1:
-            _split_dim(rel, own[a[0]], [src[d] for d in b])
+            rel.derive(own[a[0]], [src[d] for d in b])
         elif len(b) == 1:
-            _split_dim(rel, src[b[0]], [own[d] for d in a])
-
-
-def _split_dim(rel, whole, parts):
-    """``whole`` is the product of ``parts``; a static whole (a model's width split into
-    heads and head size) has static parts."""
-    if whole in rel.dynamic:
-        rel.derive(whole, parts)
-    else:
-        for p in parts:
-            rel.pin(p)
+            rel.derive(src[b[0]], [own[d] for d in a])
 
 
 def _mm(rel, n, first="self"):
@@ -377,21 +389,34 @@ def _slice(rel, n):
 
 
 def _split(rel, n):
+    """Pieces of ``split_size`` (or ``split_sizes``) along ``dim``; the pieces of a static
+    size (a fused projection split in three) are static."""
     src = n.value("_saved_self_sym_sizes")
     size = n.value("_saved_split_size") or n.value("_saved_split_sizes")
     metas = [n.meta(nr) for nr in range(len(n.node._input_metadata))]
     for nr, own in enumerate(metas):
         dim = _all_but_dim(rel, n, own, src)
-        if dim is not None and size is not None:
+        if dim is None:
+            continue
+        rel.piece_of(src[dim], [own[dim]] + (size or []))
+        if size is not None:
             k = 0 if len(size) == 1 else nr
             if k < len(size) and (len(size) > 1 or nr < len(metas) - 1):
                 rel.tie([own[dim]], [size[k]])
 
 
 def _cat(rel, n):
+    """Equal sizes off ``dim``; along it, the pieces of a static size are static, and
+    pieces of size 0 beside one other (an empty cache) leave that one's size."""
     own = n.meta()
-    for src in n.edges():
-        _all_but_dim(rel, n, own, src)
+    dims = [_all_but_dim(rel, n, own, src) for src in n.edges()]
+    if own is None or not dims or None in dims:
+        return
+    dim, pieces = dims[0], [src[dims[0]] for src in n.edges()]
+    rel.piece_of(own[dim], pieces)
+    sized = [p for p in pieces if rel.sizes[p] != 0]
+    if len(sized) == 1 and all(p not in rel.dynamic for p in pieces if p != sized[0]):
+        rel.tie([own[dim]], sized)
 
 
 def _select(rel, n):
@@ -444,6 +469,9 @@ def _embedding(rel, n):
     own, idx = n.meta(), n.saved_sizes("_saved_indices")
     if own is not None and idx is not None and len(own) == len(idx) + 1:
         rel.tie(own[:-1], idx)
+    rows, weight = n.value("_saved_weight_sym_argsize_0"), n.edge(0)
+    if rows is not None and weight:
+        rel.tie(rows, weight[:1])
 
 
 def _nll_loss(rel, n):
@@ -455,7 +483,7 @@ def _nll_loss(rel, n):
 
 
 SHAPE_KEEPING = frozenset({
-    "AbsBackward0", "AddBackward1", "CloneBackward0", "CosBackward0", "DivBackward1", "EluBackward0",
+    "AbsBackward0", "AliasBackward0", "AddBackward1", "CloneBackward0", "CosBackward0", "DivBackward1", "EluBackward0",
     "ExpBackward0", "GeluBackward0", "HardswishBackward0", "LeakyReluBackward0", "LogBackward0",
     "LogSigmoidBackward0", "LogSoftmaxBackward0", "MulBackward1", "NativeDropoutBackward0",
     "NegBackward0", "PowBackward0", "ReluBackward0", "RsqrtBackward0",
