@@ -40,6 +40,19 @@ class Product(tuple):
         return self[1:]
 
 
+class Const:
+    """A constant factor of a product (the heads in ``B*H``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int):
+        self.value = value
+
+
+def _value(sizes, f) -> int:
+    return f.value if type(f) is Const else sizes[f]
+
+
 class _Relations:
     """A union-find over the positions of ``sizes``, with products."""
 
@@ -48,9 +61,10 @@ class _Relations:
         self.previous = previous
         self.dynamic = dynamic
         self.parent: dict = {}
-        self.products: dict = {}  # position -> factor positions
+        self.products: list = []  # (position, factor positions) for dynamic positions
         self.pieces: list = []  # (whole, parts): a static whole has static parts
         self.pinned: set = set()  # positions found static
+        self.moved: list = []  # (p, u, Const h, v, q): p == u*h and v == h*q where v is static
 
     def _holds(self, x, y) -> bool:
         s, p = self.sizes, self.previous
@@ -77,11 +91,11 @@ class _Relations:
         if p is None or not factors or None in factors or p in factors:
             return
         for sizes in (self.sizes, self.previous):
-            if sizes is not None and sizes[p] != math.prod(sizes[f] for f in factors):
+            if sizes is not None and sizes[p] != math.prod(_value(sizes, f) for f in factors):
                 return
         self.pieces.append((p, tuple(factors)))
         if p in self.dynamic:
-            self.products.setdefault(p, tuple(factors))
+            self.products.append((p, tuple(factors)))
 
     def piece_of(self, whole, parts) -> None:
         """``parts`` are pieces of ``whole`` (a split, a cat): static where it is."""
@@ -100,13 +114,34 @@ class _Relations:
         while changed:
             changed = False
             first: dict = {}
-            for p, factors in self.products.items():
+            for p, factors in self.products:
                 other = first.setdefault(self.find(p), factors)
                 if other is factors or len(other) != len(factors):
                     continue
-                before = [self.find(f) for f in factors]
-                self.tie(other, factors)
-                changed |= [self.find(f) for f in factors] != before
+                pairs = [(x, y) for x, y in zip(other, factors) if type(x) is not Const and type(y) is not Const]
+                for x, y in zip(other, factors):  # a factor where the other product has a constant
+                    if (type(x) is Const) != (type(y) is Const) and _value(self.sizes, x) == _value(self.sizes, y):
+                        self.pin(y if type(x) is Const else x)
+                before = [self.find(y) for _, y in pairs]
+                self.tie([x for x, _ in pairs], [y for _, y in pairs])
+                changed |= [self.find(y) for _, y in pairs] != before
+
+    def _static_pieces(self) -> set:
+        """The static roots, once the parts of static wholes are static too (a model's
+        width split into heads and head size, a fused projection split in three),
+        found until nothing changes."""
+        dynamic = self.dynamic
+        static_roots = self._static_roots()
+        while True:
+            before = len(self.pinned)
+            for whole, parts in self.pieces:
+                if whole not in dynamic or self.find(whole) in static_roots:
+                    for p in parts:
+                        if type(p) is not Const and self.find(p) not in static_roots:
+                            self.pin(p)
+            if len(self.pinned) == before:
+                return static_roots
+            static_roots = self._static_roots()
 
     def _static_roots(self) -> set:
         dynamic = self.dynamic
@@ -116,23 +151,22 @@ class _Relations:
 
     def groups(self, positions) -> dict:
         """position -> int (symbol group) or Product; static positions are left out."""
-        self._merge_products()
         dynamic = self.dynamic
-        static_roots = self._static_roots()
-        # The parts of a static whole are static: a model's width split into heads and
-        # head size, a fused projection split in three (found until nothing changes).
         while True:
-            before = len(self.pinned)
-            for whole, parts in self.pieces:
-                if whole not in dynamic or self.find(whole) in static_roots:
-                    for p in parts:
-                        if self.find(p) not in static_roots:
-                            self.pin(p)
-            if len(self.pinned) == before:
+            self._merge_products()
+            static_roots = self._static_pieces()
+            # A factor moved between two dims is a constant where the dim it moved into
+            # is static; that makes more products, so more may follow.
+            ready = [m for m in self.moved if self.find(m[3]) in static_roots or m[3] not in dynamic]
+            if not ready:
                 break
-            static_roots = self._static_roots()
+            for m in ready:
+                self.moved.remove(m)
+                p, u, h, v, q = m
+                self.derive(p, [u, h])
+                self.derive(v, [h, q])
         derived = {}
-        for p, factors in self.products.items():
+        for p, factors in self.products:
             derived.setdefault(self.find(p), factors)
         memo: dict = {}
 
@@ -146,10 +180,13 @@ class _Relations:
             if factors is None or root in visiting:
                 return None
             visiting = visiting | {root}
-            if any(self.find(f) in visiting for f in factors):
+            if any(type(f) is not Const and self.find(f) in visiting for f in factors):
                 return None  # circular (positions tied since the product was seen): a symbol
             const, roots = 1, []
             for f in factors:
+                if type(f) is Const:
+                    const *= f.value
+                    continue
                 fr = self.find(f)
                 sub = expr(fr, visiting)
                 if sub is None:
@@ -267,6 +304,13 @@ def _saved_positions(call: BackwardCall, i: int) -> dict:
     return out
 
 
+def _wrap(d: int, ndim: int) -> int:
+    """A saved dim as an index: nodes hand negative dims back as unsigned 64-bit ints."""
+    if d >= 2 ** 63:
+        d -= 2 ** 64
+    return d % ndim
+
+
 def _right(out, inp):
     """Align ``inp`` to the right of ``out`` (broadcasting): pairs of lists."""
     n = min(len(out), len(inp))
@@ -321,6 +365,20 @@ def _view(rel, n):
             rel.derive(own[a[0]], [src[d] for d in b])
         elif len(b) == 1:
             rel.derive(src[b[0]], [own[d] for d in a])
+        elif len(a) == 2 and len(b) == 2:
+            _moved_factor(rel, [own[d] for d in a], [src[d] for d in b])
+
+
+
+def _moved_factor(rel, a, b):
+    """(x*h, y) <-> (x, h*y): a factor moved between two dims (attention's
+    (B, E) <-> (B*H, E/H)).  Where h*y is static (a model's width), so is h; where it
+    is not, h may be a size that changes ((n*m, 6) <-> (n, m*6)): nothing is assumed."""
+    s = rel.sizes
+    for (p, q), (u, v) in ((a, b), (b, a)):
+        if s[u] and s[q] and s[p] % s[u] == 0 and s[v] % s[q] == 0 and s[p] // s[u] == s[v] // s[q] > 1:
+            rel.moved.append((p, u, Const(s[p] // s[u]), v, q))
+            return
 
 
 def _mm(rel, n, first="self"):
@@ -365,13 +423,13 @@ def _transpose(rel, n):
         d0, d1 = n.attr("_saved_dim0"), n.attr("_saved_dim1")
         if not isinstance(d0, int) or not isinstance(d1, int) or not src:
             return
-        d0, d1 = d0 % len(src), d1 % len(src)
+        d0, d1 = _wrap(d0, len(src)), _wrap(d1, len(src))
         order[d0], order[d1] = order[d1], order[d0]
     else:  # PermuteBackward0
         dims = n.attr("_saved_dims")
-        if not isinstance(dims, tuple) or sorted(d % len(src) for d in dims) != order:
+        if not isinstance(dims, tuple) or sorted(_wrap(d, len(src)) for d in dims) != order:
             return
-        order = [d % len(src) for d in dims]
+        order = [_wrap(d, len(src)) for d in dims]
     rel.tie(own, [src[d] for d in order])
 
 
@@ -379,7 +437,7 @@ def _all_but_dim(rel, n, own, src):
     dim = n.attr("_saved_dim")
     if own is None or src is None or len(own) != len(src) or not isinstance(dim, int) or not src:
         return
-    dim %= len(src)
+    dim = _wrap(dim, len(src))
     rel.tie([p for d, p in enumerate(own) if d != dim], [p for d, p in enumerate(src) if d != dim])
     return dim
 
@@ -423,7 +481,7 @@ def _select(rel, n):
     own, src, dim = n.meta(), n.value("_saved_self_sym_sizes"), n.attr("_saved_dim")
     if own is None or src is None or not isinstance(dim, int) or len(src) != len(own) + 1:
         return
-    dim %= len(src)
+    dim = _wrap(dim, len(src))
     rel.tie(own, src[:dim] + src[dim + 1:])
 
 
@@ -431,8 +489,43 @@ def _unsqueeze(rel, n):
     own, src, dim = n.meta(), n.edge(0), n.attr("_saved_dim")
     if own is None or src is None or not isinstance(dim, int) or len(own) != len(src) + 1:
         return
-    dim %= len(own)
+    dim = _wrap(dim, len(own))
     rel.tie(own[:dim] + own[dim + 1:], src)
+
+
+def _squeeze(rel, n):
+    own, src = n.meta(), n.value("_saved_self_sym_sizes")
+    if own is None or src is None:
+        return
+    dims = n.attr("_saved_dim") if type(n.node).__name__ != "SqueezeBackward0" else tuple(range(len(src)))
+    dims = (dims,) if isinstance(dims, int) else dims
+    if not isinstance(dims, tuple) or not src:
+        return
+    removed = {d for d in (_wrap(d, len(src)) for d in dims) if rel.sizes[src[d]] == 1}
+    kept = [p for d, p in enumerate(src) if d not in removed]
+    if len(kept) == len(own):
+        rel.tie(own, kept)
+
+
+def _attention(rel, n):
+    """Fused attention: query (B, H, L, E), key (B, H, S, E), value (B, H, S, Ev),
+    output (B, H, L, Ev), logsumexp (B, H, L), a mask broadcast to (B, H, L, S)."""
+    q, k, v = n.arg(rel, "query", 0), n.arg(rel, "key", 1), n.arg(rel, "value", 2)
+    out = n.saved_sizes("_saved_output")
+    own = n.meta()
+    if out is not None and own is not None and len(own) == len(out):
+        rel.tie(own, out)
+    out = out or own
+    if any(x is None or len(x) != 4 for x in (q, k, v, out)):
+        return
+    rel.tie([k[0], v[0], out[0], out[1], v[1], v[2], k[3], out[2], out[3]],
+            [q[0], q[0], q[0], q[1], k[1], k[2], q[3], q[2], v[3]])
+    lse = n.saved_sizes("_saved_logsumexp")
+    if lse is not None and len(lse) == 3:
+        rel.tie(lse, out[:3])
+    mask = n.saved_sizes("_saved_attn_mask")
+    if mask is not None:
+        rel.tie(*_right([q[0], q[1], q[2], k[2]], mask))
 
 
 def _reduce(rel, n):
@@ -443,7 +536,7 @@ def _reduce(rel, n):
     dims, keep = n.attr("_saved_dim"), n.attr("_saved_keepdim")
     if own is None or src is None or not isinstance(dims, tuple) or not src:
         return
-    reduced = {d % len(src) for d in dims}
+    reduced = {_wrap(d, len(src)) for d in dims}
     kept = [p for d, p in enumerate(src) if d not in reduced]
     if keep:
         if len(own) == len(src):
@@ -509,6 +602,11 @@ RELATIONS = {
     "CatBackward0": _cat, "SelectBackward0": _select, "UnsqueezeBackward0": _unsqueeze,
     "SumBackward1": _reduce, "MeanBackward1": _reduce,
     "EmbeddingBackward0": _embedding, "NllLossBackward0": _nll_loss,
+    "SqueezeBackward0": _squeeze, "SqueezeBackward1": _squeeze, "SqueezeBackward2": _squeeze,
+    **{k: _attention for k in ("ScaledDotProductFlashAttentionForCpuBackward0",
+                               "ScaledDotProductEfficientAttentionBackward0",
+                               "ScaledDotProductFlashAttentionBackward0",
+                               "ScaledDotProductCudnnAttentionBackward0")},
 }
 
 
