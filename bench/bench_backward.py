@@ -15,9 +15,9 @@ For each model it prints, in one run:
 - autograd node count and opaque node count of gradfx's graph;
 and at the end one summary line per model.
 
-Models: mlp, transformer, mlp_large, cnn, transformer_hooked (the transformer with a full
-backward hook on each layer), gpt2 and llama (tiny, random weights, built from
-transformers' configs: nothing is downloaded; skipped with a message when
+Models: mlp, transformer, mlp_large, cnn, lstm, transformer_hooked (the transformer with a
+full backward hook on each layer), gpt2, llama, bert and t5 (tiny, random weights, built
+from transformers' configs: nothing is downloaded; skipped with a message when
 transformers is not installed: ``pip install -e ".[models]"``).
 
 Usage: python bench/bench_backward.py [--models mlp transformer] [--backend eager]
@@ -85,6 +85,34 @@ def _llama():
         attn_implementation="sdpa"))
 
 
+def _bert():
+    import transformers
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0, attn_implementation="sdpa"))
+
+
+def _t5():
+    import transformers
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0, attn_implementation="eager"))
+
+
+class _LSTM(nn.Module):
+    """A 2-layer LSTM over (batch, length, 32) and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(32, 64, 2, batch_first=True)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
 def _sum_loss(model, x):
     return model(x).sum()
 
@@ -92,6 +120,20 @@ def _sum_loss(model, x):
 def _lm_loss(model, ids):
     logits = model(input_ids=ids).logits
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def _mlm_loss(model, ids):
+    # padding at the end of rows 1, 2, 3 of every 4 (a mask that is never all ones)
+    pad = (torch.arange(ids.shape[0]) % 4) * 2
+    mask = (torch.arange(ids.shape[1]) < ids.shape[1] - pad[:, None]).long()
+    logits = model(input_ids=ids * mask, attention_mask=mask).logits
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.masked_fill(mask == 0, -100).reshape(-1))
+
+
+def _seq2seq_loss(model, ids):
+    target = ids[:, : ids.shape[1] // 2]
+    logits = model(input_ids=ids, decoder_input_ids=target).logits
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
 
 
 def _randn(shape):
@@ -119,6 +161,11 @@ MODELS = {
     # GPT-2 and Llama (rotary, sdpa): 2 layers, hidden 64, vocabulary 128, batch 8 x 32 tokens
     "gpt2": (_gpt2, (8, 32), (8, 24), _ids, _lm_loss, True),
     "llama": (_llama, (8, 32), (8, 24), _ids, _lm_loss, True),
+    # 2-layer LSTM, hidden 64, input 8 x 32 steps x 32
+    "lstm": (_LSTM, (8, 32, 32), (8, 24, 32), _randn, _sum_loss, False),
+    # BERT (padding mask, masked-LM loss) and T5 (encoder-decoder, decoder half as long)
+    "bert": (_bert, (8, 32), (8, 24), _ids, _mlm_loss, True),
+    "t5": (_t5, (8, 32), (8, 24), _ids, _seq2seq_loss, True),
 }
 
 
