@@ -192,6 +192,30 @@ class _Heads(nn.Module):
         return self.proj(o).view(b, t, d)
 
 
+def test_a_size_relation_that_stops_holding_costs_a_recapture_never_a_result():
+    # (B, 12) <-> (B*H, 12/H) with 12 a weight's size: the first capture takes the
+    # moved factor H for a constant (as attention's heads are).  Here H changes: the
+    # guard rejects the graph, the recapture sees both backwards and assumes nothing
+    # of H, and every gradient stays bitwise equal to eager.
+    def step(batch, heads, under):
+        torch.manual_seed(batch * 10 + heads)
+        layer = nn.Linear(5, 12)
+        x = torch.randn(batch, 5)
+        loss = (layer(x).view(batch * heads, 12 // heads).sin() * 3).sum()
+        if under:
+            with gradfx.compiled_autograd(dynamic=True, strict=True):
+                loss.backward()
+        else:
+            loss.backward()
+        return [layer.weight.grad, layer.bias.grad]
+
+    captures = []
+    for batch, heads in [(4, 2), (3, 2), (4, 3), (5, 4), (2, 6), (6, 3)]:
+        assert_same(step(batch, heads, False), step(batch, heads, True))
+        captures.append(gradfx.stats()["captures"])
+    assert captures == [1, 1, 2, 2, 2, 2]  # a new batch fits; new heads recapture once
+
+
 def test_reshapes_stay_symbolic_when_a_batch_equals_the_heads():
     # The first capture has batch 4 and 4 heads: the reshapes' dims are tied where they
     # correspond, never by an equal size alone, so one graph fits every later shape.
