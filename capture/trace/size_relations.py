@@ -225,6 +225,7 @@ class _Node:
         self.call, self.i, self.metas = call, i, metas
         self.record = call.records[i]
         self.node = call.nodes[i]
+        self.saved_inputs = _saved_positions(call, i)  # saved tensor attribute -> input position
 
     def meta(self, nr=0):
         return self.metas.get((self.i, nr))
@@ -252,7 +253,7 @@ class _Node:
 
     def saved(self, name):
         """(size positions, stride positions or None if contiguous) of a saved tensor."""
-        pos = _saved_positions(self.call, self.i).get(name)
+        pos = self.saved_inputs.get(name)
         if pos is None:
             return None
         start, ndim, stride_start = self.call.tensor_slots[pos]
@@ -341,7 +342,7 @@ def _broadcasting(rel, n):
     own = n.meta()
     if own is None:
         return
-    inputs = n.edges() + [n.saved_sizes(a) for a in _saved_positions(n.call, n.i)]
+    inputs = n.edges() + [n.saved_sizes(a) for a in n.saved_inputs]
     for inp in inputs:
         if inp is not None:
             rel.tie(*_right(own, inp))
@@ -383,8 +384,6 @@ def _moved_factor(rel, a, b):
 
 def _mm(rel, n, first="self"):
     a, b, out = n.arg(rel, first, 1 if first == "mat1" else 0), n.arg(rel, "mat2", 2 if first == "mat1" else 1), n.meta()
-    _strides(rel, n, first)
-    _strides(rel, n, "mat2")
     if a is None or b is None or len(a) != 2 or len(b) != 2:
         return
     rel.tie([a[1]], [b[0]])
@@ -394,12 +393,6 @@ def _mm(rel, n, first="self"):
         bias = n.edge(0)
         if bias is not None and out is not None:
             rel.tie(*_right(out, bias))
-
-
-def _strides(rel, n, name):
-    sizes, strides = n.value(f"_saved_{name}_sym_sizes"), n.value(f"_saved_{name}_sym_strides")
-    if sizes is not None and strides is not None:
-        _dense_strides(rel, sizes, strides)
 
 
 def _bmm(rel, n):
@@ -658,10 +651,10 @@ def relate(call: BackwardCall, positions, previous=None) -> dict:
         for attr in rec.values:  # X_sym_sizes beside a saved X; X_sym_strides of X_sym_sizes
             if attr.endswith("_sym_sizes"):
                 name = attr[:-len("_sym_sizes")]
-                values, tensor = n.value(attr), n.saved(name)
+                values, strides, tensor = n.value(attr), n.value(name + "_sym_strides"), n.saved(name)
+                _dense_strides(rel, values, strides)
                 if values is not None and tensor is not None and len(values) == len(tensor[0]):
                     rel.tie(values, tensor[0])
-                    strides = n.value(name + "_sym_strides")
                     if strides is not None and tensor[1] is not None:
                         rel.tie(strides, tensor[1])
         self_sizes = n.value("_saved_self_sym_sizes")
