@@ -3,14 +3,16 @@
 A backward's sizes are gathered by the walk into one flat list (``call.sizes``):
 tensor shapes, strides of non-contiguous tensors, input-metadata shapes and saved
 size values.  A graph is captured for a set of *dynamic* positions of that list:
-each gets its own symbol in a ShapeEnv (no duck sizing), every other position is
-static.  Tracing with those symbols records, in the ShapeEnv, every relation the
-backward formulas rely on (``s3 == s0``, ``s0 >= 2``, ...).  The guard of the
-graph is then:
+each gets a symbol in a ShapeEnv (no duck sizing), shared by the positions that are
+one size or given as a product of symbols (``size_relations``), every other position
+is static.  Tracing with those symbols records, in the ShapeEnv, every further
+relation the backward formulas rely on (``s3 == s0``, ``s0 >= 2``, ...).  The guard
+of the graph is then:
 
 * static positions equal their captured values;
-* each dynamic position equals its symbol's expression after the ShapeEnv's
-  replacements (so ``sizes[7] == sizes[0]`` where two dims must agree);
+* positions sharing a symbol are equal, a product position equals its product;
+* each symbol equals its expression after the ShapeEnv's replacements (so
+  ``sizes[7] == sizes[0]`` where two dims must agree);
 * the free symbols lie in their ranges, and the ShapeEnv's other guards hold.
 
 It is compiled into one Python function of ``sizes``, so checking it costs a few
@@ -129,7 +131,8 @@ class SymbolicSizes:
     """The symbols of one capture: position -> SymInt, in a fresh ShapeEnv.
 
     ``groups`` (position -> key) makes positions with the same key share a symbol;
-    by default each position has its own.
+    by default each position has its own.  A position whose key is a
+    ``size_relations.Product`` is that product of other groups' symbols.
     """
 
     def __init__(self, sizes: list, dynamic, groups: dict | None = None):
