@@ -13,8 +13,7 @@ Two kinds of test per model and ``dynamic`` mode, over the same memoized run:
   (``torch.equal``) after every step, and no step fell back to the eager engine.
   Never marked xfail: a wrong gradient always fails.
 * ``test_*_captures``: the issue's target, one graph over all shapes with
-  ``dynamic=True`` and at most two with ``"auto"``. Where gradfx does not meet it
-  yet, the test is ``xfail(strict=True)`` (an XPASS fails: remove the mark then).
+  ``dynamic=True`` and at most two with ``"auto"``.
 
 The full runs are ``slow``; CI runs Llama and BERT over three shapes (a batch change
 and a length change). Skipped when transformers is not installed (``pip install -e
@@ -23,19 +22,20 @@ times per model and mode.
 
 Measured (transformers 5.24, 2 cores; all gradients bitwise equal, no fallback), over
 the nine shapes: before issue 15 -> after its first symbolic-capture changes (static
-parameter sizes, reshape dims tied where they correspond) -> now (collector paused
-during captures, no fake-tensor cache for symbolic traces, contiguous views recorded
-directly, symbols shared between sizes that are one by construction):
+parameter sizes, reshape dims tied where they correspond) -> after the collector pause,
+no fake-tensor cache for symbolic traces and contiguous views recorded directly -> now
+(size relations read off the graph before tracing: ``capture/trace/size_relations.py``;
+"auto" makes every non-parameter size symbolic at the first size change):
 
 | model (attention) | dynamic=True: captures, first capture | "auto": captures, slowest recapture |
 | --- | --- | --- |
-| gpt2 (eager) | 1, 56 s -> 7.7 s -> 3.1 s | 3, 28 s -> 1.6 s -> 0.8 s |
-| llama (sdpa) | 1, 41 s -> 9.4 s -> 3.2 s | 3, 21 s -> 1.9 s -> 0.9 s |
-| bert (sdpa, padding) | 1, 27 s -> 6.8 s -> 2.2 s | 3, 13 s -> 0.9 s -> 0.6 s |
-| t5 (eager) | 1, 653 s -> 68 s -> 8.1 s | 3, 541 s -> 6.5 s -> 2.2 s |
+| gpt2 (eager) | 1, 56 s -> 7.7 s -> 3.1 s -> 0.6 s | 3, 28 s -> 1.6 s -> 0.8 s -> 2, 0.6 s |
+| llama (sdpa) | 1, 41 s -> 9.4 s -> 3.2 s -> 0.8 s | 3, 21 s -> 1.9 s -> 0.9 s -> 2, 0.7 s |
+| bert (sdpa, padding) | 1, 27 s -> 6.8 s -> 2.2 s -> 0.8 s | 3, 13 s -> 0.9 s -> 0.6 s -> 2, 0.6 s |
+| t5 (eager) | 1, 653 s -> 68 s -> 8.1 s -> 1.8 s | 3, 541 s -> 6.5 s -> 2.2 s -> 2, 1.5 s |
 
-"auto" recaptures once when the batch size changes and once more when the length
-does.
+"auto" recaptures once, at the batch change; that graph keeps every later batch size
+and sequence length.
 """
 
 from __future__ import annotations
@@ -188,12 +188,6 @@ def check_captures(result, dynamic):
         f"{result['captures']} captures with dynamic={dynamic!r}, target {TARGET[dynamic]}")
 
 
-def not_yet(reason):
-    # Only on a count assertion; raises=AssertionError: a crash is still a failure.
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
-
-
-AUTO_3 = "auto recaptures once for the batch size and once more for the sequence length: 3 captures"
 MODES = [pytest.param(True, id="dynamic"), pytest.param("auto", id="auto")]
 
 
@@ -205,7 +199,7 @@ def test_short_gradients(name, dynamic):
     check_gradients(run(name, dynamic, SHORT), SHORT)
 
 
-@pytest.mark.parametrize("dynamic", [True, pytest.param("auto", marks=not_yet(AUTO_3))], ids=["dynamic", "auto"])
+@pytest.mark.parametrize("dynamic", MODES)
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_short_captures(name, dynamic):
     check_captures(run(name, dynamic, SHORT), dynamic)
@@ -221,7 +215,7 @@ def test_gradients(name, dynamic):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dynamic", [True, pytest.param("auto", marks=not_yet(AUTO_3))], ids=["dynamic", "auto"])
+@pytest.mark.parametrize("dynamic", MODES)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_captures(name, dynamic):
     check_captures(run(name, dynamic, FULL), dynamic)

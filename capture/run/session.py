@@ -265,8 +265,11 @@ class Session:
         wanted = cache.dynamic_positions.get(structure, set())
         if previous is not None:  # sizes that changed, a parameter's under dynamic=True as well
             wanted = wanted | changed_positions(previous, call.sizes, call)
-        if self.dynamic is True:
-            wanted = wanted | dynamic_candidates(call)
+        # Under "auto", the first size change makes symbolic what dynamic=True would as
+        # well: a batch change then also covers the next sequence length.  What stays
+        # free after size_relations is the data's sizes (widths are a parameter's), and
+        # the trace costs about what a recapture of the changed sizes alone did.
+        wanted = wanted | dynamic_candidates(call)
         # A size of 0 or 1 stays static (broadcasting), even where an earlier graph had a symbol.
         wanted = {p for p in wanted if call.sizes[p] >= 2}
         return relate(call, wanted - baked_positions(call), previous)

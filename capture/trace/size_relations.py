@@ -613,8 +613,8 @@ def relate(call: BackwardCall, positions, previous=None) -> dict:
     tensor and the ``*_sym_sizes`` / ``*_sym_strides`` saved beside it; strides of a
     dense tensor as products of its sizes; ``self_sym_sizes`` of a one-input node and
     the metadata of that input.  Then each kind's own (``RELATIONS``).  With
-    ``previous`` (the sizes of an earlier backward of the structure), positions equal
-    in both backwards share a symbol as well.
+    ``previous`` (the sizes of an earlier backward of the structure), sizes that
+    changed alike share a symbol as well.
     """
     sizes = call.sizes
     dynamic = set(positions)
@@ -665,9 +665,12 @@ def relate(call: BackwardCall, positions, previous=None) -> dict:
         relation = RELATIONS.get(type(n.node).__name__)
         if relation is not None:
             relation(rel, n)
-    if previous is not None:  # equal in both backwards: one symbol (until a third tells them apart)
+    if previous is not None:
+        # Sizes that changed alike between the two backwards share a symbol (until a
+        # third tells them apart); unchanged sizes that are equal are a coincidence.
         by_pair: dict = {}
         for p in dynamic:
-            q = by_pair.setdefault((sizes[p], previous[p]), p)
-            rel.tie([q], [p])
+            if sizes[p] != previous[p]:
+                q = by_pair.setdefault((sizes[p], previous[p]), p)
+                rel.tie([q], [p])
     return rel.groups(positions)
