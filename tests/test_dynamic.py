@@ -255,6 +255,26 @@ def test_merges_splits_and_transposes_over_shapes(shapes):
     assert gradfx.stats()["captures"] == 1
 
 
+def test_symbolic_graphs_carry_torchs_own_tensor_meta():
+    # A symbolic trace answers "contiguous?" for tensors contiguous as written without
+    # sympy: the metadata must be what torch's own function says, and the function
+    # torch's again once the trace is over.
+    from torch.fx.experimental import proxy_tensor
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+    before = proxy_tensor._extract_tensor_metadata
+    torch.manual_seed(0)
+    model = _Heads()
+    graph = gradfx.capture(model(torch.randn(3, 8, 32)).square().mean(), dynamic=True)
+    assert proxy_tensor._extract_tensor_metadata is before is _extract_tensor_metadata
+    checked = 0
+    for node in graph.graph_module.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and "tensor_meta" in node.meta:
+            assert node.meta["tensor_meta"] == _extract_tensor_metadata(val), node
+            checked += 1
+    assert checked > 50
+
+
 def test_views_of_contiguous_and_of_transposed_gradients_over_sizes():
     # A view's gradient laid out contiguously is viewed directly (no fake reshape in the
     # trace); one that arrives transposed goes through reshape (a view here too).

@@ -13,6 +13,7 @@ the graph is bitwise eager.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import time
@@ -22,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.function import BackwardCFunction
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import (
     PythonKeyTracer,
     ProxyTorchDispatchMode,
@@ -553,6 +555,11 @@ def _run_one(t, i, buffers, hooks, needed, kinds, nodes, edges, captured, delive
 def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) -> Trace:
     """Record ``call`` into an fx graph (sizes symbolic where ``symbolic`` says)."""
     start = time.perf_counter()
+    with _plain_tensor_meta() if symbolic is not None else contextlib.nullcontext():
+        return _trace(call, symbolic, start)
+
+
+def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float) -> Trace:
     t = _Tracer(call, symbolic)
     fakes = t.placeholders()
     grads = fakes[: len(call.roots)]
@@ -583,6 +590,31 @@ def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) ->
     _mark_required_outputs(t.tracer.graph)
     t.tracer.graph._gradfx_create_graph = call.create_graph
     return Trace(t.tracer.graph, t.opaque, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _plain_tensor_meta():
+    """Every traced tensor's ``tensor_meta`` (fx metadata) without sympy where its
+    contiguity is plain.
+
+    Recording a tensor, the proxy tracer asks whether it is contiguous in each memory
+    format; with symbolic sizes each question is a sympy proof, a sixth of a symbolic
+    trace.  A tensor contiguous as written (:func:`_plainly_contiguous`) gets the answer
+    the first question would give; any other asks as before.  The function is replaced
+    for the trace only; another thread tracing meanwhile gets the same answers.
+    """
+    original = proxy_tensor._extract_tensor_metadata
+
+    def extract(result, include_contiguity=True):
+        if include_contiguity and result.layout is torch.strided and _plainly_contiguous(result):
+            return original(result, include_contiguity=False)._replace(memory_format=torch.contiguous_format)
+        return original(result, include_contiguity)
+
+    proxy_tensor._extract_tensor_metadata = extract
+    try:
+        yield
+    finally:
+        proxy_tensor._extract_tensor_metadata = original
 
 
 def _group_getitems(graph: fx.Graph) -> None:
