@@ -233,7 +233,7 @@ class Guard:
                 bound[p] = sym
         shown_conditions, implied = guard_conditions(symbolic)
         # Positions sharing a symbol or holding a product of symbols are compared as
-        # plain Python (one tuple for all): as sympy equations, printing and joining
+        # plain Python (a tuple per expression): as sympy equations, printing and joining
         # them cost more than the rest of the guard (T5: 1,700 of them, 0.9 s).
         others.update((p, symbolic.symbol[p]) for p in symbolic.derived)
         others = dict(sorted(others.items()))
@@ -254,12 +254,15 @@ class Guard:
         src = "def check(sizes):\n    if getter(sizes) != expected:\n        return False\n    "
         src += "\n    ".join(bindings) + "\n"
         namespace = {"getter": getter, "expected": expected}
-        printed = ", ".join(f"({printer.doprint(e)})" for e in others.values())
-        if len(others) == 1:
-            src += f"    if sizes[{next(iter(others))}] != {printed}:\n        return False\n"
-        elif others:
-            namespace["aliases"] = operator.itemgetter(*others)
-            src += f"    if aliases(sizes) != ({printed}):\n        return False\n"
+        by_expr: dict = {}  # the positions of each expression: one C-level read per expression
+        for p, e in others.items():
+            by_expr.setdefault(printer.doprint(e), []).append(p)
+        for k, (e, ps) in enumerate(by_expr.items()):
+            if len(ps) == 1:
+                src += f"    if sizes[{ps[0]}] != ({e}):\n        return False\n"
+            else:
+                namespace[f"same{k}"] = operator.itemgetter(*ps)
+                src += f"    if same{k}(sizes) != ({e},) * {len(ps)}:\n        return False\n"
         src += f"    return bool({body})\n"
         exec(compile(src, "<gradfx guard>", "exec"), namespace)
 
