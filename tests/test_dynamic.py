@@ -74,6 +74,16 @@ def test_batch_sizes(name, dynamic, most):
     assert captures <= most if dynamic == "auto" else captures == most
 
 
+@pytest.mark.parametrize("name, shape", [("lstm", lambda b, n: (b, n, 8)), ("transformer", lambda b, n: (b, n, 32))])
+@pytest.mark.parametrize("dynamic, most", [("auto", 2), (True, 1)])
+def test_batch_sizes_then_sequence_lengths(name, shape, dynamic, most):
+    # Issue 15's shapes: the batch changes, then the length; "auto" recaptures once, at
+    # the batch change, with the length symbolic too.
+    shapes = [shape(b, 16) for b in (2, 3, 4, 8, 5)] + [shape(4, n) for n in (16, 32, 24, 40)]
+    captures = _run(MODELS[name][0], shapes, dynamic)
+    assert captures <= most if dynamic == "auto" else captures == most
+
+
 def test_static_mode_captures_every_size():
     make, shape = MODELS["mlp"]
     assert _run(make, [shape(b) for b in [2, 3, 2, 4]], False) == 3
