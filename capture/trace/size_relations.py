@@ -108,23 +108,55 @@ class _Relations:
             self.pinned.add(p)
 
     def _merge_products(self) -> None:
-        """One size that is two products (B*T viewed from two sides): their factors are
-        one size each, where they agree in order (B with B, T with T)."""
+        """One size that is two products (B*T viewed from two sides): after cancelling the
+        factors both share, the rest are one size each where they match unambiguously
+        (one factor left on each side, or factors of distinct sizes matched by size: a
+        batch of 4 beside 4 heads is left alone)."""
         changed = True
         while changed:
             changed = False
             first: dict = {}
             for p, factors in self.products:
                 other = first.setdefault(self.find(p), factors)
-                if other is factors or len(other) != len(factors):
-                    continue
-                pairs = [(x, y) for x, y in zip(other, factors) if type(x) is not Const and type(y) is not Const]
-                for x, y in zip(other, factors):  # a factor where the other product has a constant
-                    if (type(x) is Const) != (type(y) is Const) and _value(self.sizes, x) == _value(self.sizes, y):
-                        self.pin(y if type(x) is Const else x)
-                before = [self.find(y) for _, y in pairs]
-                self.tie([x for x, _ in pairs], [y for _, y in pairs])
-                changed |= [self.find(y) for _, y in pairs] != before
+                if other is not factors:
+                    changed |= self._match(other, factors)
+
+    def _same(self, x, y) -> bool:
+        if type(x) is Const or type(y) is Const:
+            return type(x) is type(y) and x.value == y.value
+        return self.find(x) == self.find(y)
+
+    def _match(self, a, b) -> bool:
+        """Tie (or pin, against a constant) the factors of two equal products; True if
+        that changed anything."""
+        a, b = list(a), list(b)
+        for x in list(a):
+            y = next((y for y in b if self._same(x, y)), None)
+            if y is not None:
+                a.remove(x)
+                b.remove(y)
+        if len(a) != len(b) or not a:
+            return False
+        s = self.sizes
+        values = [_value(s, x) for x in a]
+        if len(a) > 1:
+            if len(set(values)) != len(a) or sorted(values) != sorted(_value(s, y) for y in b):
+                return False
+            b = [next(y for y in b if _value(s, y) == v) for v in values]
+        changed = False
+        for x, y in zip(a, b):
+            if type(x) is Const and type(y) is Const:
+                continue
+            if type(x) is Const or type(y) is Const:
+                if _value(s, x) == _value(s, y):
+                    before = len(self.pinned)
+                    self.pin(y if type(x) is Const else x)
+                    changed |= len(self.pinned) != before
+                continue
+            if self.find(x) != self.find(y):
+                self.tie([x], [y])
+                changed |= self.find(x) == self.find(y)
+        return changed
 
     def _static_pieces(self) -> set:
         """The static roots, once the parts of static wholes are static too (a model's
@@ -667,10 +699,12 @@ def relate(call: BackwardCall, positions, previous=None) -> dict:
             relation(rel, n)
     if previous is not None:
         # Sizes that changed alike between the two backwards share a symbol (until a
-        # third tells them apart); unchanged sizes that are equal are a coincidence.
+        # third tells them apart); unchanged sizes that are equal are a coincidence, and
+        # so may be products (a stride H*L beside B*L where B == H): they follow their factors.
+        derived = {rel.find(p) for p, _ in rel.products}
         by_pair: dict = {}
         for p in dynamic:
-            if sizes[p] != previous[p]:
+            if sizes[p] != previous[p] and rel.find(p) not in derived:
                 q = by_pair.setdefault((sizes[p], previous[p]), p)
                 rel.tie([q], [p])
     return rel.groups(positions)
