@@ -318,3 +318,30 @@ def test_views_of_contiguous_and_of_transposed_gradients_over_sizes():
     views = graphs[0].graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default)
     sources = {v.args[0].target for v in views}
     assert torch.ops.aten.t.default in sources and torch.ops.aten.add.Tensor in sources
+
+
+def test_size_relations_that_fail_cost_speed_not_the_backward(monkeypatch):
+    # Relations only spare the trace work: one kind's rule raising, or the whole
+    # analysis raising, leaves a symbol per size and the same gradients.
+    from gradfx.capture.trace import size_relations
+
+    def broken(*args):
+        raise IndexError("a layout this rule did not expect")
+
+    for patch in ("rule", "all"):
+        gradfx.reset()
+        with monkeypatch.context() as m:
+            if patch == "rule":
+                m.setitem(size_relations.RELATIONS, "ViewBackward0", broken)
+            else:
+                m.setattr(size_relations, "relate", broken)
+            for b in (4, 6):
+                torch.manual_seed(b)
+                eager_model = _Heads()
+                model = copy.deepcopy(eager_model)
+                x = torch.randn(b, 8, 32)
+                eager_model(x).square().mean().backward()
+                with gradfx.compiled_autograd(dynamic=True, strict=True):
+                    model(x).square().mean().backward()
+                assert_same(grads_of(eager_model.parameters()), grads_of(model.parameters()))
+        assert gradfx.stats()["captures"] == 1, patch

@@ -272,7 +272,12 @@ class Session:
         wanted = wanted | dynamic_candidates(call)
         # A size of 0 or 1 stays static (broadcasting), even where an earlier graph had a symbol.
         wanted = {p for p in wanted if call.sizes[p] >= 2}
-        return relate(call, wanted - baked_positions(call), previous)
+        positions = wanted - baked_positions(call)
+        try:
+            return relate(call, positions, previous)
+        except Exception:  # relations only spare the trace work: without them, a symbol each
+            log.debug("gradfx: size relations failed", exc_info=True)
+            return {p: p for p in positions}
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list):
         """(compiled callable, None), or (eager stand-in, reason) if the backend failed.

@@ -21,11 +21,15 @@ a result, and the recapture, seeing both backwards, no longer assumes it.
 
 from __future__ import annotations
 
+import logging
 import math
 
 from ..graph.kinds import TRACED
 from ..graph.walk import BackwardCall
 from .rules import reshape_groups
+
+
+log = logging.getLogger("gradfx")
 
 
 class Product(tuple):
@@ -696,7 +700,10 @@ def relate(call: BackwardCall, positions, previous=None) -> dict:
                 rel.tie(src, self_sizes)
         relation = RELATIONS.get(type(n.node).__name__)
         if relation is not None:
-            relation(rel, n)
+            try:
+                relation(rel, n)
+            except Exception:  # an optimization: a node it cannot read keeps its own symbols
+                log.debug("gradfx: no size relations for %s", type(n.node).__name__, exc_info=True)
     if previous is not None:
         # Sizes that changed alike between the two backwards share a symbol (until a
         # third tells them apart); unchanged sizes that are equal are a coincidence, and
