@@ -65,10 +65,12 @@ class _DropsUnusedInputs(_BoxedCodeGen):
         self.unused = unused
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs):
-        text = super().gen_fn_def(free_vars, maybe_return_annotation, **kwargs)
-        for name in self.unused:
-            text = text.replace(f"\n    {name} = next(args_iter)", "\n    next(args_iter)")
-        return text
+        lines = super().gen_fn_def(free_vars, maybe_return_annotation, **kwargs).split("\n")
+        for k, line in enumerate(lines):
+            name, bound, _ = line.strip().partition(" = next(args_iter)")
+            if bound and name in self.unused:
+                lines[k] = "    next(args_iter)"
+        return "\n".join(lines)
 
 
 _direct_calls: dict = {}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .. import reorder
 from .errors import _Fallback
@@ -74,7 +75,9 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
             annotate.apply(trace.graph, call, names, grad_inputs)
             records = reorder.run_pipeline(trace.graph, passes, keep_code)
             examples = [call.sizes[p] for p in size_positions] + list(call.inputs)
-            gm = fx.GraphModule(torch.nn.Module(), trace.graph)
+            # Python code is generated when someone reads or runs it (a backend compiles
+            # the graph itself; the eager backend generates its own private copy).
+            gm = _LazyGraphModule(torch.nn.Module(), trace.graph)
             graph = CapturedGraph(gm, passes=records, opaque_nodes=trace.opaque,
                                   guards=explain.compact_guards(guard.text), autograd_nodes=len(call.nodes),
                                   capture_seconds=trace.seconds, example_inputs=examples)
