@@ -263,6 +263,18 @@ def _adopt(node, var, attr, raw_attrs, tensor_attrs):
     return owned, owned.mask, tensors
 
 
+def substituted(node, name: str):
+    """The fake standing for ``node``'s saved tensor ``name`` while tracing, read without
+    unpacking (which records a detach, a fake-tensor op of its own); None where there is
+    none (not a gradfx-owned tensor, an undefined or a list entry)."""
+    table = _substitution.table
+    raw = getattr(node, "_raw_saved_" + name, None)
+    hook = getattr(raw, "unpack_hook", None)
+    if table is None or hook is None or not is_ours(hook):
+        return None
+    return table.get((id(hook.args[0]), hook.args[1]))
+
+
 class substitute:
     """Context: while tracing, unpacking a gradfx-owned saved tensor yields a fake."""
 

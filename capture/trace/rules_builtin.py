@@ -146,7 +146,7 @@ def view_backward0(saved, grad):
     """grad.reshape_symint(self.sym_sizes())"""
     target = saved.self_sym_sizes
     _tie_matching_dims(grad.shape, target)
-    out = saved.contiguous_view(grad, target)
+    out = saved.reshape(grad, target)
     return (grad.reshape(target) if out is None else out,)
 
 

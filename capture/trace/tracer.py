@@ -36,11 +36,12 @@ from torch._prims_common import is_contiguous_or_false, make_contiguous_strides_
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..run import hook_ops, runtime_ops
+from . import plain_layout
 from .getitems import unpack_right_after
 from .ready_queue import ReadyQueue
 from .rules import RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
 from .shapes import SymbolicSizes
-from ..graph.saved import substitute
+from ..graph.saved import substitute, substituted
 from ..graph.kinds import ACCUMULATE, FUNCTION, OPAQUE, TRACED, type_info
 from ..graph.walk import BackwardCall
 from ..errors import _Fallback
@@ -72,54 +73,56 @@ class _SymbolicSaved:
         attr = "_saved_" + name
         slot = self._tracer.call.records[self._i].values.get(attr)
         if slot is not None:
-            return self._tracer.symbolic.rebuild(*slot)
-        return getattr(self._node, attr)  # tensors come back as fakes (substituted)
+            value = self._tracer.symbolic.rebuild(*slot)
+        else:
+            value = substituted(self._node, name)
+            if value is None:
+                value = getattr(self._node, attr)  # tensors come back as fakes (substituted)
+        self.__dict__[name] = value  # a rule reading it again gets the same object
+        return value
 
-    def contiguous_view(self, grad, shape):
-        """``grad.view(shape)`` recorded directly, for a gradient laid out contiguously:
-        its result is the contiguous tensor of ``shape``.  Fake reshape would reach the
-        same by proving stride equalities in sympy (on GPT-2's first symbolic capture its
-        view backwards took 1.35 s that way, 0.8 s this way).  None where contiguity is
-        not known without a guard (then: reshape)."""
+    def reshape(self, grad, shape):
+        """``grad.reshape(shape)`` recorded directly where the sizes' expressions decide
+        it (:mod:`plain_layout`): a view, or a contiguous copy viewed (what ATen's
+        reshape does where no view exists).  Fake reshape would reach the same by
+        proving stride equalities in sympy, a guard each (on GPT-2's first symbolic
+        capture its view backwards took 1.35 s that way, 0.8 s this way).  None where
+        the expressions do not decide it (then: reshape on the fakes)."""
+        t = self._tracer
         with disable_proxy_modes_tracing():  # size arithmetic for the guards, not the graph
-            if not (_plainly_contiguous(grad) or is_contiguous_or_false(grad)):
-                return None
             numel = 1
             for d in shape:
                 numel = numel * d
             # a guard where sizes are symbolic, as reshape records; none where the two
             # are one expression (the sizes related before tracing: size_relations)
-            if not _plainly_equal(grad.numel(), numel) and grad.numel() != numel:
+            if not plain_layout.plainly_equal(grad.numel(), numel) and grad.numel() != numel:
                 return None
-            out = torch.empty_strided(shape, make_contiguous_strides_for(shape), dtype=grad.dtype,
-                                      device=grad.device)
-        t = self._tracer
-        proxy = t.tracer.create_proxy("call_function", torch.ops.aten.view.default,
-                                      (t.proxy(grad), [t.arg(d) for d in shape]), {}, name="view")
+            if plain_layout.plainly_contiguous(grad):
+                strides = make_contiguous_strides_for(shape)
+            else:
+                strides = plain_layout.view_strides(grad.shape, grad.stride(), shape, t.shape_env)
+                if strides is plain_layout.UNDECIDED:
+                    if not is_contiguous_or_false(grad):
+                        return None
+                    strides = make_contiguous_strides_for(shape)
+            copy = strides is None
+            if copy:
+                contiguous = torch.empty_strided(grad.shape, make_contiguous_strides_for(grad.shape),
+                                                 dtype=grad.dtype, device=grad.device)
+                strides = make_contiguous_strides_for(shape)
+            out = torch.empty_strided(shape, strides, dtype=grad.dtype, device=grad.device)
+        source = t.proxy(grad)
+        if copy:  # ATen: _unsafe_view(self.clone(contiguous_format), shape)
+            proxy = t.tracer.create_proxy("call_function", torch.ops.aten.clone.default, (source,),
+                                          {"memory_format": torch.contiguous_format}, name="clone")
+            track_tensor_tree(contiguous, proxy, constant=None, tracer=t.tracer)
+            source, op = proxy, torch.ops.aten._unsafe_view.default
+        else:
+            op = torch.ops.aten.view.default
+        proxy = t.tracer.create_proxy("call_function", op, (source, [t.arg(d) for d in shape]), {},
+                                      name="view")
         track_tensor_tree(out, proxy, constant=None, tracer=t.tracer)
         return out
-
-
-def _expr(x):
-    return x.node.expr if isinstance(x, torch.SymInt) else x
-
-
-def _plainly_equal(a, b) -> bool:
-    """Equal as written (one sympy expression, or one int): no guard needed to know."""
-    return _expr(a) == _expr(b)
-
-
-def _plainly_contiguous(t) -> bool:
-    """Contiguous as written: each stride is the product of the sizes after it (dims of
-    size 1 aside), without asking the ShapeEnv (which proves it in sympy, a guard each)."""
-    expected = 1
-    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
-        if _expr(size) == 1:
-            continue
-        if _expr(stride) != _expr(expected):
-            return False
-        expected = expected * size
-    return True
 
 
 class _Input:
@@ -599,14 +602,14 @@ def _plain_tensor_meta():
 
     Recording a tensor, the proxy tracer asks whether it is contiguous in each memory
     format; with symbolic sizes each question is a sympy proof, a sixth of a symbolic
-    trace.  A tensor contiguous as written (:func:`_plainly_contiguous`) gets the answer
+    trace.  A tensor contiguous as written (:func:`plain_layout.plainly_contiguous`) gets the answer
     the first question would give; any other asks as before.  The function is replaced
     for the trace only; another thread tracing meanwhile gets the same answers.
     """
     original = proxy_tensor._extract_tensor_metadata
 
     def extract(result, include_contiguity=True):
-        if include_contiguity and result.layout is torch.strided and _plainly_contiguous(result):
+        if include_contiguity and result.layout is torch.strided and plain_layout.plainly_contiguous(result):
             return original(result, include_contiguity=False)._replace(memory_format=torch.contiguous_format)
         return original(result, include_contiguity)
 
