@@ -124,3 +124,47 @@ def test_hooks_on_one_saved_variable_of_a_node_leave_the_others_alone():
     got = run(lambda: gradfx.compiled_autograd(backend="eager"))
     assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
     assert expected[2] == got[2] == ["pack", "unpack"]
+
+
+def _hooked_program(kind):
+    """(leaf, loss) whose saved tensors the user's saved_tensors_hooks own."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(2, 4)
+    if kind == "saved_tensors_hooks":
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return w, (x @ w).tanh().sum()
+    from torch.utils.checkpoint import checkpoint
+    return w, checkpoint(lambda a: (a @ w).tanh(), x.requires_grad_(), use_reentrant=False).sum()
+
+
+@pytest.mark.parametrize("kind", ["saved_tensors_hooks", "checkpoint"])
+def test_backward_twice_through_hooked_saved_tensors_raises(kind):
+    """Python cannot release a saved variable the user's hooks own; eager does, and its
+    second backward raises: so must gradfx's, and the eager engine's after gradfx's,
+    without accumulating a second gradient."""
+    w, loss = _hooked_program(kind)
+    loss.backward()
+    expected = w.grad.clone()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+    w, loss = _hooked_program(kind)
+    with gradfx.compiled_autograd():
+        loss.backward()
+        assert torch.equal(w.grad, expected)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    assert torch.equal(w.grad, expected)
+
+
+def test_retained_graph_with_hooked_saved_tensors_runs_again():
+    w, loss = _hooked_program("saved_tensors_hooks")
+    with gradfx.compiled_autograd():
+        loss.backward(retain_graph=True)
+        first = w.grad.clone()
+        loss.backward(retain_graph=True)
+    loss.backward()  # the eager engine, on the graph gradfx kept
+    assert torch.equal(w.grad, 3 * first)

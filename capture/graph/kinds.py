@@ -26,7 +26,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from . import hooks
-from .saved import ForeignHooks, Origin, Untouched, take_saved
+from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, take_saved
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
@@ -273,6 +273,7 @@ def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> bool:
         owned, mask, values = take_saved(node, info.raw_saved, info.saved_tensors)
     except ForeignHooks:
         w.key.append(OPAQUE)
+        w.owned[i] = ForeignOwned(node)  # released after the backward as the engine would
         return False
     w.owned[i] = owned
     w.key.append(mask)

@@ -102,6 +102,35 @@ class Untouched:
         release_variables(self.variables)
 
 
+class ForeignOwned:
+    """The saved variables of a node under the user's ``saved_tensors_hooks``, left to them.
+
+    Python cannot release such a variable (the engine does, right after running the
+    node), so releasing marks the node instead, in its ``metadata`` (which lives and
+    dies with it): a later gradfx backward through it raises eager's error when it is
+    walked, and a pre-hook raises it if the eager engine reaches the node.
+    """
+
+    __slots__ = ("node",)
+    tensors = ()  # none of them is a graph input
+    mask = None
+
+    def __init__(self, node):
+        self.node = node
+
+    def release(self) -> None:
+        if not self.node.metadata.get(RELEASED_KEY):
+            self.node.metadata[RELEASED_KEY] = True
+            self.node.register_prehook(_freed)
+
+
+def _freed(grad_outputs):
+    raise RuntimeError(FREED_MESSAGE)
+
+
+RELEASED_KEY = "_gradfx_released"  # in a node's metadata: its hooked saved tensors were released
+
+
 def release_variables(variables) -> None:
     """Eager's release of saved variables, for those gradfx leaves to their node or owns:
     a later unpack raises eager's error.  The user's saved-tensor hooks are left alone."""
@@ -242,6 +271,8 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
 def _adopt(node, var, attr, raw_attrs, tensor_attrs):
     """The saved variables already have hooks: an earlier gradfx run's, or the user's."""
     if not is_ours(var.unpack_hook):
+        if node.metadata.get(RELEASED_KEY):  # released by an earlier backward (ForeignOwned)
+            raise RuntimeError(FREED_MESSAGE)
         raise ForeignHooks(f"{node.name()} has saved tensors under saved_tensors_hooks")
     _substitution.probe = True
     try:
