@@ -168,3 +168,21 @@ def test_retained_graph_with_hooked_saved_tensors_runs_again():
         loss.backward(retain_graph=True)
     loss.backward()  # the eager engine, on the graph gradfx kept
     assert torch.equal(w.grad, 3 * first)
+
+
+def test_failed_inplace_check_leaves_the_node_as_it_was():
+    """The second saved tensor of a node fails eager's in-place check: the first must not
+    be taken over either, so every later backward raises eager's error again."""
+    torch.manual_seed(0)
+    a = torch.randn(5, requires_grad=True)
+    w = torch.randn(5, requires_grad=True)
+    h = a * 1
+    y = w * h  # MulBackward0 saves w and h
+    h.add_(1)
+    with gradfx.compiled_autograd():
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    assert a.grad is None and w.grad is None

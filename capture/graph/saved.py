@@ -245,13 +245,14 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
         for var in (raw if type(raw) is tuple else (raw,)):
             if var.unpack_hook is not None:
                 return _adopt(node, var, attr, raw_attrs, tensor_attrs)
-    for raw, attr in zip(raws, tensor_attrs):
+    # Unpacking without hooks runs eager's check that the tensor was not modified in
+    # place since it was saved (and raises eager's error); once hooks are registered
+    # the engine no longer checks.  Every variable is checked before any is taken: a
+    # failing check leaves the node as it was, and the next backward raises again.
+    unpacked = [getattr(node, attr) for attr in tensor_attrs]
+    for raw, values in zip(raws, unpacked):
         grouped |= type(raw) is tuple
         group = raw if type(raw) is tuple else (raw,)
-        # Unpacking without hooks runs eager's check that the tensor was not
-        # modified in place since it was saved (and raises eager's error); once
-        # hooks are registered the engine no longer checks.
-        values = getattr(node, attr)
         if type(values) is not tuple:
             values = (values,)
         for var, value in zip(group, values):
