@@ -22,8 +22,8 @@ from __future__ import annotations
 from functools import partial
 
 from . import distributed, hooks
-from .kinds import (ACCUMULATE, OPAQUE, ctx_key, emit_hooks, emit_tensor, flatten_sizes, function_materializes,
-                    kind_of, value_key)
+from .kinds import (ACCUMULATE, OPAQUE, ctx_key, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
+                    function_materializes, kind_of, value_key)
 from .saved import SavedTensors, _unpack
 from .walk import BackwardCall, root_edge
 
@@ -129,7 +129,8 @@ def generate(call: BackwardCall, tensors, structure):
     for i, node in enumerate(nodes):
         rec = records[i]
         if not rec.runs:
-            if i in call.captures:  # tensor pre-hooks still run before the capture
+            if i in call.captures:  # its metadata (as the generic walk reads it), and tensor
+                emit_metas(src, f"n{i}", node)  # pre-hooks, which still run before the capture
                 src.hook_lists[i] = emit_hooks(src, i, rec, f"n{i}.variable" if rec.kind is ACCUMULATE else None)
             continue
         spec, info = kind_of(node)

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import _Fallback
 from . import distributed
-from .kinds import ACCUMULATE, NodeRecord, Walk, kind_of, walk_hooks
+from .kinds import ACCUMULATE, NodeRecord, Walk, kind_of, walk_hooks, walk_metas
 
 class StructureKey:
     """A structure key with its hash computed once (the key is a long nested tuple)."""
@@ -223,6 +223,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool =
         if runs:
             rec.kind = spec.walk(w, rec, i, node, info)
         elif i in captures:  # tensor pre-hooks still run before the capture
+            walk_metas(w, rec, node)  # what the gradients captured there are validated against
             walk_hooks(w, rec, i, node, node.variable if info.kind is ACCUMULATE else None)
     owned = [w.owned.get(i) for i in range(n)]
     return BackwardCall(records, roots, outputs, accumulate, captures, w.input_kinds, w.input_owner,
