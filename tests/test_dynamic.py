@@ -276,6 +276,9 @@ def test_symbolic_graphs_carry_torchs_own_tensor_meta():
     model = _Heads()
     graph = gradfx.capture(model(torch.randn(3, 8, 32)).square().mean(), dynamic=True)
     assert proxy_tensor._extract_tensor_metadata is before is _extract_tensor_metadata
+    # SymInt arithmetic is memoized for the trace only: torch's own methods again after it
+    from torch.fx.experimental.sym_node import SymNode
+    assert SymNode.mul.__qualname__ == "SymNode.mul" and SymNode.eq.__qualname__ == "SymNode.eq"
     checked = 0
     for node in graph.graph_module.graph.nodes:
         val = node.meta.get("val")
@@ -345,3 +348,26 @@ def test_size_relations_that_fail_cost_speed_not_the_backward(monkeypatch):
                     model(x).square().mean().backward()
                 assert_same(grads_of(eager_model.parameters()), grads_of(model.parameters()))
         assert gradfx.stats()["captures"] == 1, patch
+
+
+def test_broadcast_gradients_reduced_over_sizes():
+    # A gradient broadcast over batch and length reaches a parameter-sized or
+    # size-1 input: the trace sums it to the input's shape as the engine does, for
+    # every size the graph is reused for (a scale of shape (d,), a gate of (1, t, 1)).
+    torch.manual_seed(0)
+    scale = torch.randn(16, requires_grad=True)
+
+    def program(b, t):
+        torch.manual_seed(b * 100 + t)
+        x = torch.randn(b, t, 16, requires_grad=True)
+        gate = torch.randn(1, t, 1, requires_grad=True)
+        return x, gate, ((x * scale).tanh() * gate).square().sum()
+
+    for b, t in [(2, 3), (3, 5), (4, 4), (5, 2), (2, 7)]:
+        x, gate, loss = program(b, t)
+        want = torch.autograd.grad(loss, [x, gate, scale])
+        x, gate, loss = program(b, t)
+        with gradfx.compiled_autograd(dynamic=True, strict=True):
+            got = torch.autograd.grad(loss, [x, gate, scale])
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), (b, t)
+    assert gradfx.stats()["captures"] == 1

@@ -1,5 +1,6 @@
 """Hooks are captured into the graph and run as in eager: same calls, order, arguments."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -365,3 +366,35 @@ def test_multi_grad_hook_on_leaves_under_grad_raises_as_in_eager():
 
     log = run_both(build, expect_captures=2)
     assert log[1][0] == "grad() raised" and "_will_engine_execute_node" in log[1][1]
+
+
+@pytest.mark.parametrize("call", ["grad", "backward_inputs"])
+@pytest.mark.parametrize("op", ["mm", "mul", "add", "addmm"])
+def test_post_hooks_of_a_partial_graph_see_none_where_eager_computes_nothing(call, op):
+    """autograd.grad / backward(inputs=): a builtin node computes only the gradients
+    whose next node runs; its post-hooks see None for the others, as in eager."""
+    def run(use_gradfx):
+        torch.manual_seed(0)
+        x = torch.randn(2, 3, requires_grad=True)
+        w = torch.randn(3, 3, requires_grad=True)
+        b = torch.randn(3, requires_grad=True)
+        h = {"mm": lambda: x @ w, "mul": lambda: x * w[0], "add": lambda: x + w[0],
+             "addmm": lambda: torch.addmm(b, x, w)}[op]()
+        seen = []
+        h.grad_fn.register_hook(lambda gi, go: seen.append([None if g is None else g.clone() for g in gi]))
+        loss = h.sin().sum()
+        with gradfx.compiled_autograd(strict=True) if use_gradfx else contextlib.nullcontext():
+            for _ in range(2):  # capture, then the cached graph
+                if call == "grad":
+                    got = torch.autograd.grad(loss, [w], retain_graph=True)
+                else:
+                    loss.backward(inputs=[w], retain_graph=True)
+                    got = (w.grad,)
+        return got, seen
+
+    (want, want_seen), (got, got_seen) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert len(want_seen) == len(got_seen) == 2
+    for a, b in zip(want_seen, got_seen):
+        assert [g is None for g in a] == [g is None for g in b]
+        assert all(g is None or torch.equal(g, h) for g, h in zip(a, b))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_impls import fast_detach
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.function import BackwardCFunction
 from torch.fx.experimental import proxy_tensor
@@ -36,7 +37,7 @@ from torch._prims_common import is_contiguous_or_false, make_contiguous_strides_
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..run import hook_ops, runtime_ops
-from . import plain_layout
+from . import plain_layout, sym_memo
 from .getitems import unpack_right_after
 from .ready_queue import ReadyQueue
 from .rules import RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
@@ -82,47 +83,7 @@ class _SymbolicSaved:
         return value
 
     def reshape(self, grad, shape):
-        """``grad.reshape(shape)`` recorded directly where the sizes' expressions decide
-        it (:mod:`plain_layout`): a view, or a contiguous copy viewed (what ATen's
-        reshape does where no view exists).  Fake reshape would reach the same by
-        proving stride equalities in sympy, a guard each (on GPT-2's first symbolic
-        capture its view backwards took 1.35 s that way, 0.8 s this way).  None where
-        the expressions do not decide it (then: reshape on the fakes)."""
-        t = self._tracer
-        with disable_proxy_modes_tracing():  # size arithmetic for the guards, not the graph
-            numel = 1
-            for d in shape:
-                numel = numel * d
-            # a guard where sizes are symbolic, as reshape records; none where the two
-            # are one expression (the sizes related before tracing: size_relations)
-            if not plain_layout.plainly_equal(grad.numel(), numel) and grad.numel() != numel:
-                return None
-            if plain_layout.plainly_contiguous(grad):
-                strides = make_contiguous_strides_for(shape)
-            else:
-                strides = plain_layout.view_strides(grad.shape, grad.stride(), shape, t.shape_env)
-                if strides is plain_layout.UNDECIDED:
-                    if not is_contiguous_or_false(grad):
-                        return None
-                    strides = make_contiguous_strides_for(shape)
-            copy = strides is None
-            if copy:
-                contiguous = torch.empty_strided(grad.shape, make_contiguous_strides_for(grad.shape),
-                                                 dtype=grad.dtype, device=grad.device)
-                strides = make_contiguous_strides_for(shape)
-            out = torch.empty_strided(shape, strides, dtype=grad.dtype, device=grad.device)
-        source = t.proxy(grad)
-        if copy:  # ATen: _unsafe_view(self.clone(contiguous_format), shape)
-            proxy = t.tracer.create_proxy("call_function", torch.ops.aten.clone.default, (source,),
-                                          {"memory_format": torch.contiguous_format}, name="clone")
-            track_tensor_tree(contiguous, proxy, constant=None, tracer=t.tracer)
-            source, op = proxy, torch.ops.aten._unsafe_view.default
-        else:
-            op = torch.ops.aten.view.default
-        proxy = t.tracer.create_proxy("call_function", op, (source, [t.arg(d) for d in shape]), {},
-                                      name="view")
-        track_tensor_tree(out, proxy, constant=None, tracer=t.tracer)
-        return out
+        return self._tracer.reshape(grad, shape)
 
 
 class _Input:
@@ -154,6 +115,7 @@ class _Tracer:
         self.object_proxies: dict = {}
         self.maybe_none: set[int] = set()  # ids of fakes that may be None at run time
         self.keep: list = []  # keeps those fakes alive so their ids stay unique
+        self.layouts: dict = {}  # layout -> the fake that fakes of that layout are detached from
 
     # -- inputs --------------------------------------------------------------
     def placeholders(self):
@@ -198,12 +160,85 @@ class _Tracer:
             return self.fake_mode.from_tensor(value)
         start, ndim, stride_start = self.call.tensor_slots[pos]
         shape = self.symbolic.values(start, ndim)
-        if stride_start < 0:
-            strides = make_contiguous_strides_for(shape)
+        strides = "contiguous" if stride_start < 0 else self.symbolic.values(stride_start, ndim)
+        return self.new_fake(shape, strides, value.dtype, value.device)
+
+    def new_fake(self, shape, strides, dtype, device):
+        """A fake tensor of this layout (``strides`` may be ``"contiguous"``), detached from
+        one made once per layout and trace: making a fake with symbolic sizes costs about
+        0.5 ms of SymInt arithmetic (numel, storage size, contiguity), detaching one 20 us.
+        Fakes of one layout share their meta storage, which no traced op reads."""
+        key = (tuple(map(plain_layout.expr, shape)),
+               strides if strides == "contiguous" else tuple(map(plain_layout.expr, strides)), dtype, device)
+        with disable_proxy_modes_tracing(), self.fake_mode:
+            template = self.layouts.get(key)
+            if template is None:
+                if strides == "contiguous":
+                    strides = make_contiguous_strides_for(shape)
+                template = self.layouts[key] = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+            return fast_detach(self.fake_mode, template)
+
+    def reshape(self, grad, shape):
+        """``grad.reshape(shape)`` recorded directly where the sizes' expressions decide
+        it (:mod:`plain_layout`): a view, or a contiguous copy viewed (what ATen's
+        reshape does where no view exists).  Fake reshape would reach the same by
+        proving stride equalities in sympy, a guard each (on GPT-2's first symbolic
+        capture its view backwards took 1.35 s that way, 0.8 s this way).  None where
+        the expressions do not decide it (then: reshape on the fakes)."""
+        t = self
+        with disable_proxy_modes_tracing():  # size arithmetic for the guards, not the graph
+            numel = 1
+            for d in shape:
+                numel = numel * d
+            # a guard where sizes are symbolic, as reshape records; none where the two
+            # are one expression (the sizes related before tracing: size_relations)
+            if not plain_layout.plainly_equal(grad.numel(), numel) and grad.numel() != numel:
+                return None
+            if plain_layout.plainly_contiguous(grad):
+                strides = "contiguous"
+            else:
+                strides = plain_layout.view_strides(grad.shape, grad.stride(), shape, t.shape_env)
+                if strides is plain_layout.UNDECIDED:
+                    if not is_contiguous_or_false(grad):
+                        return None
+                    strides = "contiguous"
+        copy = strides is None  # no view: a contiguous copy, viewed
+        if copy:
+            contiguous = t.new_fake(grad.shape, "contiguous", grad.dtype, grad.device)
+        out = t.new_fake(shape, "contiguous" if copy else strides, grad.dtype, grad.device)
+        source = t.proxy(grad)
+        if copy:  # ATen: _unsafe_view(self.clone(contiguous_format), shape)
+            proxy = t.tracer.create_proxy("call_function", torch.ops.aten.clone.default, (source,),
+                                          {"memory_format": torch.contiguous_format}, name="clone")
+            track_tensor_tree(contiguous, proxy, constant=None, tracer=t.tracer)
+            source, op = proxy, torch.ops.aten._unsafe_view.default
         else:
-            strides = self.symbolic.values(stride_start, ndim)
-        with self.fake_mode:
-            return torch.empty_strided(shape, strides, dtype=value.dtype, device=value.device)
+            op = torch.ops.aten.view.default
+        proxy = t.tracer.create_proxy("call_function", op, (source, [t.arg(d) for d in shape]), {},
+                                      name="view")
+        track_tensor_tree(out, proxy, constant=None, tracer=t.tracer)
+        return out
+
+    def sum_to(self, grad, shape):
+        """The engine's reduction of a broadcast gradient to its input's shape (at::sum_to)
+        where the sizes' expressions decide which dims it sums; None where they do not
+        (then: validate_output on the fakes, which also raises eager's error for a shape
+        that is not a broadcast of the input's)."""
+        sizes = grad.shape
+        lead = len(sizes) - len(shape)
+        if lead < 0:
+            return None
+        dims = list(range(lead))
+        for d in range(lead, len(sizes)):
+            want = shape[d - lead]
+            if plain_layout.plainly_equal(want, sizes[d]):
+                continue
+            if plain_layout.expr(want) != 1:
+                return None  # two different sizes: a wrong gradient, or equal only for some sizes
+            dims.append(d)  # 1 against a size that is not 1 as written: a symbol (>= 2) or an int
+        if dims:
+            grad = grad.sum(dims, keepdim=True)
+        return self.reshape(grad, shape) if lead > 0 else grad
 
     def meta(self, i, nr):
         """(shape, dtype, device) of input ``nr`` of node ``i``, sizes symbolic where they are."""
@@ -240,10 +275,8 @@ class _Tracer:
         single = not isinstance(like, tuple)
         items = (like,) if single else like
         outs = []
-        with disable_proxy_modes_tracing():
-            for x in items:
-                outs.append(None if x is None else torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
-                                                                      device=x.device))
+        for x in items:
+            outs.append(None if x is None else self.new_fake(x.shape, x.stride(), x.dtype, x.device))
         for k, fake in enumerate(outs):
             if fake is not None:
                 track_tensor_tree(fake, proxy if single else proxy[k], constant=None, tracer=self.tracer)
@@ -368,8 +401,7 @@ class _Tracer:
             else:
                 shape, dtype, device = self.meta(e[0], e[1])
                 metas.append((shape, dtype))
-                with disable_proxy_modes_tracing():
-                    like.append(torch.empty(shape, dtype=dtype, device=device))
+                like.append(self.new_fake(shape, "contiguous", dtype, device))
         function = isinstance(node, BackwardCFunction)
         if function and node.__dict__.get("_gradfx_materialize_grads", True):
             # PyNode's zeros for gradients known to be None here (the graph shows them);
@@ -435,8 +467,13 @@ def _validate(t, node, outputs, edges):
         shape, dtype, _ = t.meta(e[0], e[1])
         if g.dtype == dtype and _same_sizes(g.shape, shape):
             result.append(g)  # what validate_output returns, without asking sympy
+            continue
+        reduced = t.sum_to(g, shape) if t.symbolic is not None and not _same_sizes(g.shape, shape) else None
+        if reduced is not None:
+            g = reduced if reduced.dtype == dtype or dtype is None else reduced.to(dtype)
         else:
-            result.append(runtime_ops.validate_output(g, shape, dtype, node.name(), k))
+            g = runtime_ops.validate_output(g, shape, dtype, node.name(), k)
+        result.append(g)
     return result
 
 
@@ -500,7 +537,7 @@ def _run_engine(t: _Tracer, grads):
     while len(queue):
         marker = graph._root.prev  # label what this node's step records
         i = queue.pop()
-        _run_one(t, i, buffers, hooks, needed, kinds, nodes, edges, captured, deliver)
+        _run_one(t, i, buffers, hooks, needed, should_run, kinds, nodes, edges, captured, deliver)
         label = call.node_label(i)
         node = marker.next
         while node is not graph._root:
@@ -511,7 +548,7 @@ def _run_engine(t: _Tracer, grads):
     return captured
 
 
-def _run_one(t, i, buffers, hooks, needed, kinds, nodes, edges, captured, deliver):
+def _run_one(t, i, buffers, hooks, needed, should_run, kinds, nodes, edges, captured, deliver):
     """One task of the ready queue: hooks, the node, post-hooks, hand-off of outputs."""
     call = t.call
     inputs = buffers.pop(i)
@@ -546,6 +583,8 @@ def _run_one(t, i, buffers, hooks, needed, kinds, nodes, edges, captured, delive
         outputs = t.run_opaque(i, node, inputs, call.records[i].node_input)
     else:
         outputs = _validate(t, node, outputs, edges[i])
+    if should_run is not None and kinds[i] is not FUNCTION and not isinstance(node, BackwardCFunction):
+        outputs = _computed(node, outputs, edges[i], should_run)
     if spec is not None and spec.post:
         outputs = t.post_hooks(i, spec, outputs, inputs)
     if kinds[i] is OPAQUE:
@@ -555,10 +594,30 @@ def _run_one(t, i, buffers, hooks, needed, kinds, nodes, edges, captured, delive
             deliver(e[0], e[1], g)
 
 
+# Builtin nodes whose formula computes a list argument's gradients together: one
+# output of the list needed computes them all (derivatives.yaml's TensorList inputs).
+_GROUPED_OUTPUTS = frozenset({"CatBackward0", "StackBackward0", "BlockDiagBackward0", "ChunkCatBackward0",
+                              "CudnnRnnBackward0", "MiopenRnnBackward0", "MkldnnRnnLayerBackward0",
+                              "NestedTensorFromTensorListBackward0"})
+
+
+def _computed(node, outputs, edges, should_run):
+    """What a builtin formula hands on when only part of the graph runs (autograd.grad,
+    ``backward(inputs=)``): eager computes an output only if its next node runs, so the
+    node's post-hooks see None for the others.  (A custom Function's backward returns
+    what it returns; a list argument's gradients come as one.)"""
+    name = type(node).__name__
+    if name in _GROUPED_OUTPUTS or name.startswith("Foreach"):
+        return outputs
+    return [None if e is not None and not should_run[e[0]] else g for g, e in zip(outputs, edges)]
+
+
 def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) -> Trace:
     """Record ``call`` into an fx graph (sizes symbolic where ``symbolic`` says)."""
     start = time.perf_counter()
-    with _plain_tensor_meta() if symbolic is not None else contextlib.nullcontext():
+    if symbolic is None:
+        return _trace(call, symbolic, start)
+    with _plain_tensor_meta(), sym_memo.memoized(symbolic.shape_env):
         return _trace(call, symbolic, start)
 
 
