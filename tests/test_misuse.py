@@ -446,3 +446,50 @@ def test_steals_like_eager_after_a_failed_compile(monkeypatch):
             model(_x()).sum().backward()
         aliased.append(model[0].weight.grad.data_ptr() == kept[0].data_ptr())
     assert aliased == [False, False]  # the hook keeps it: both copy
+
+
+class _Scale(torch.autograd.Function):
+    """y = x * k + b: x and b tensors (b may not need a gradient), k a number; backward
+    returns what ``returned`` says for (x, k, b)."""
+
+    @staticmethod
+    def forward(ctx, x, k, b, returned):
+        ctx.returned = returned
+        return x * k + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        what = {"grad": grad, "none": None, "str": "a string"}
+        return tuple(what[r] for r in ctx.returned) + (None,)
+
+
+@pytest.mark.parametrize("b_requires_grad", [True, False])
+@pytest.mark.parametrize("returned", [("grad", "grad", "grad"), ("grad", "none", "grad"), ("str", "none", "grad"),
+                                      ("grad", "none", "str"), ("grad", "str", "none")])
+def test_custom_function_gradients_checked_as_in_eager(returned, b_requires_grad):
+    """A gradient for a non-tensor input, or one that is not a tensor: eager's error, or
+    none where eager has none (a gradient for a tensor that needs none is dropped)."""
+    def run():
+        torch.manual_seed(0)
+        x = torch.randn(3, requires_grad=True)
+        b = torch.randn(3, requires_grad=b_requires_grad)
+        _Scale.apply(x, 2.0, b, returned).sum().backward()
+        return [x.grad, b.grad]
+
+    def outcome():
+        try:
+            return run()
+        except RuntimeError as err:
+            return str(err)
+
+    expected = outcome()
+    with gradfx.compiled_autograd(strict=True):
+        got = outcome()
+    if not isinstance(expected, str):
+        assert_same(expected, got)
+    elif returned == ("grad", "str", "none") and not b_requires_grad:
+        # Python sees which inputs were tensors only by their count: with b needing no
+        # gradient, a string for k or for b is an error either way, named as for b
+        assert got == "expected Variable or None (got str)"
+    else:
+        assert got == expected

@@ -265,12 +265,31 @@ def function_outputs(name: str, needs_input_grad, result, valid_edges) -> list:
     if len(result) != n:
         raise RuntimeError(f"function {name} returned an incorrect number of gradients "
                            f"(expected {n}, got {len(result)})")
+    _check_function_result(name, needs_input_grad, result, len(valid_edges))
     wanted = [r for r, need in zip(result, needs_input_grad) if need]
     outs, k = [], 0
     for valid in valid_edges:
         outs.append(wanted[k] if valid else None)
         k += valid
     return outs
+
+
+def _check_function_result(name: str, needs_input_grad, result, n_tensor_inputs: int) -> None:
+    """PyNode::apply's checks of each gradient: None for an input that was not a tensor,
+    else a tensor or None.  Python sees which inputs were tensors only through their
+    count (one edge each): an input that needs no gradient is known not to be a tensor
+    when every tensor input needs one, or when more such inputs got a gradient than
+    there are tensors among them."""
+    untracked = n_tensor_inputs - sum(map(bool, needs_input_grad))  # tensors needing no gradient
+    extra = sum(1 for r, need in zip(result, needs_input_grad) if not need and r is not None)
+    for i, (r, need) in enumerate(zip(result, needs_input_grad)):
+        if r is None:
+            continue
+        if not need and (untracked == 0 or extra > untracked):
+            raise RuntimeError(f"function {name} returned a gradient different than None at position {i + 1}, "
+                               "but the corresponding forward input was not a Variable")
+        if not isinstance(r, torch.Tensor):
+            raise RuntimeError(f"expected Variable or None (got {type(r).__name__})")
 
 
 def check_gradient_count(name: str, got: int, expected: int) -> None:
