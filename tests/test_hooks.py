@@ -398,3 +398,39 @@ def test_post_hooks_of_a_partial_graph_see_none_where_eager_computes_nothing(cal
     for a, b in zip(want_seen, got_seen):
         assert [g is None for g in a] == [g is None for g in b]
         assert all(g is None or torch.equal(g, h) for g, h in zip(a, b))
+
+
+def test_module_full_backward_hook_with_an_unused_output():
+    """A module with two outputs and a full backward hook; the loss uses one. The hook on
+    the module's outputs hands on None for the unused one (eager: a.grad from the used
+    output only, the hook sees (grad, None)); over cached steps and with both used."""
+    class Two(nn.Module):
+        def forward(self, a):
+            return a * 2, a.sin()
+
+    def run(use_gradfx, both):
+        torch.manual_seed(0)
+        m = Two()
+        seen = []
+        m.register_full_backward_hook(lambda mod, gi, go: seen.append(_snap((gi, go))))
+        grads = []
+        with gradfx.compiled_autograd(strict=True) if use_gradfx else contextlib.nullcontext():
+            for _ in range(3):
+                a = torch.randn(4, requires_grad=True)
+                y1, y2 = m(a)
+                (y1.sum() + (y2.sum() if both else 0)).backward()
+                grads.append(a.grad)
+        return grads, seen
+
+    for both in (False, True):
+        (want, want_seen), (got, got_seen) = run(False, both), run(True, both)
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+        assert _same_nested(want_seen, got_seen)
+
+
+def _same_nested(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(map(_same_nested, a, b))
+    return a == b

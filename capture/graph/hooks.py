@@ -187,7 +187,7 @@ class Found:
     def key(self) -> tuple:
         """The hooks' shape: part of the structure key (kinds.HookSpec.key is the same)."""
         return (tuple((nr, len(c)) for nr, c in self.tensor_pre), tuple(nr for nr, _ in self.retain),
-                len(self.pre), len(self.post), len(self.post_accumulate))
+                len(self.pre), tuple(map(hands_on_incoming, self.post)), len(self.post_accumulate))
 
     def inputs(self) -> list:
         """The runtime inputs, in the order the walk adds them."""
@@ -197,6 +197,21 @@ class Found:
         out += self.post
         out += self.post_accumulate
         return out
+
+
+_MODULE_OUTPUT_HOOK = "BackwardHook.setup_output_hook.<locals>.fn.<locals>.hook"
+
+
+def hands_on_incoming(post_hook) -> bool:
+    """Is this the post-hook of a module's full backward hooks on its outputs, with no
+    module backward pre-hook?  It returns the node's incoming gradients as its outputs
+    (None where an output of the module got none), whatever the node computed: the
+    trace knows which are None (the module output that was not used)."""
+    if getattr(post_hook, "__qualname__", None) != _MODULE_OUTPUT_HOOK:
+        return False
+    cells = dict(zip(post_hook.__code__.co_freevars, post_hook.__closure__ or ()))
+    owner = cells["self"].cell_contents if "self" in cells else None
+    return isinstance(owner, torch.utils.hooks.BackwardHook) and not owner.user_pre_hooks
 
 
 def collect(node, variable, retained, active: WalkState | None) -> Found | None:

@@ -139,10 +139,11 @@ class HookSpec:
     pre: list = field(default_factory=list)
     post: list = field(default_factory=list)
     post_accumulate: list = field(default_factory=list)
+    post_incoming: tuple = ()  # per post-hook: hooks.hands_on_incoming
 
     def key(self) -> tuple:
         return (tuple((nr, len(p)) for nr, p in self.tensor_pre), tuple(nr for nr, _ in self.retain),
-                len(self.pre), len(self.post), len(self.post_accumulate))
+                len(self.pre), self.post_incoming, len(self.post_accumulate))
 
 
 @dataclass
@@ -382,6 +383,7 @@ def walk_hooks(w: Walk, rec: NodeRecord, i: int, node, var=None) -> None:
         spec.retain.append((nr, w.add_input(tensor, "retained", i)))
     spec.pre = [w.add_input(h, "hook", i) for h in found.pre]
     spec.post = [w.add_input(h, "hook", i) for h in found.post]
+    spec.post_incoming = tuple(map(hooks.hands_on_incoming, found.post))
     spec.post_accumulate = [w.add_input(h, "hook", i) for h in found.post_accumulate]
     rec.hooks = spec
     w.key.append(spec.key())

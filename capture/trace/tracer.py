@@ -315,8 +315,10 @@ class _Tracer:
     def post_hooks(self, i, spec, outputs, inputs):
         label = self.call_label(i)
         outs = tuple(outputs)
-        for pos in spec.post:
-            outs = self.python_call(hook_ops.call_post_hook, (_Input(pos), outs, tuple(inputs)), outs, label, "hook")
+        for pos, incoming in zip(spec.post, spec.post_incoming):
+            # A module's output hook hands on the node's incoming gradients: None where none came.
+            like = tuple(o if g is not None else None for o, g in zip(outs, inputs)) if incoming else outs
+            outs = self.python_call(hook_ops.call_post_hook, (_Input(pos), outs, tuple(inputs)), like, label, "hook")
         return list(outs)
 
     def post_accumulate_hooks(self, i, spec, var_pos):
