@@ -493,3 +493,39 @@ def test_custom_function_gradients_checked_as_in_eager(returned, b_requires_grad
         assert got == "expected Variable or None (got str)"
     else:
         assert got == expected
+
+
+def _warnings_of(fn) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message).split(" (Triggered internally")[0] for w in caught]
+
+
+@pytest.fixture
+def warn_always():
+    torch.set_warn_always(True)
+    yield
+    torch.set_warn_always(False)
+
+
+def test_layout_contract_and_reference_cycle_warnings_as_in_eager(warn_always):
+    """torch's once-per-process warnings, here every time (set_warn_always): a .grad that
+    breaks the gradient layout contract after an accumulation, and backward with
+    create_graph (cached steps included)."""
+    def layout():
+        w = torch.ones(3, 4, requires_grad=True)
+        w.grad = torch.ones(4, 3).t()  # a transposed .grad: the sum keeps its layout
+        (w * w).sum().backward()
+
+    def cycle():
+        x = torch.ones(3, requires_grad=True)
+        (x * x).sum().backward(create_graph=True)
+        x.grad = None
+
+    for program in (layout, cycle):
+        expected = [_warnings_of(program) for _ in range(3)]
+        assert all(len(w) == 1 for w in expected)
+        with gradfx.compiled_autograd():
+            got = [_warnings_of(program) for _ in range(3)]
+        assert got == expected

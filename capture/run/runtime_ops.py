@@ -8,6 +8,7 @@ keep them (``capture.trace.kinds`` says which kind each is).
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 from torch.autograd.variable import Variable
@@ -106,6 +107,26 @@ def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_st
         variable.grad = grad + old
     else:
         old += grad
+        if old.stride() != variable.stride():
+            _check_layout(old, variable)
+
+
+def _check_layout(result: torch.Tensor, variable: torch.Tensor) -> None:
+    """AccumulateGrad's CHECK_RESULT: a warning (once, as TORCH_WARN_ONCE) when ``.grad``
+    does not obey the gradient layout contract after an accumulation."""
+    global _layout_warned
+    if result.is_sparse or variable.is_sparse or result.layout is not torch.strided:
+        return
+    if _obeys_layout_contract(result, variable) or (_layout_warned and not torch.is_warn_always_enabled()):
+        return
+    _layout_warned = True
+    warnings.warn("grad and param do not obey the gradient layout contract. This is not an error, but may "
+                  f"impair performance.\ngrad.sizes() = {list(result.shape)}, strides() = {list(result.stride())}\n"
+                  f"param.sizes() = {list(variable.shape)}, strides() = {list(variable.stride())}",
+                  UserWarning, stacklevel=2)
+
+
+_layout_warned = False
 
 
 def _refs_in_callee(x) -> int:
@@ -140,6 +161,7 @@ def accumulate_grad_create_graph(variable: torch.Tensor, grad: torch.Tensor) -> 
         variable.grad = grad + old
     else:
         variable.grad = old + grad
+        _check_layout(variable.grad, variable)
 
 
 def _sparse_first_grad(grad: torch.Tensor, unshared: bool) -> torch.Tensor:

@@ -479,9 +479,10 @@ def _warn_like_eager_once(engine) -> None:
 
     It is a C++ once-per-process warning: a tiny real backward uses up torch's own
     flag (so the eager engine stays silent later) and its text is warned once here,
-    from the frame eager's warning names (torch.autograd.graph._engine_run_backward).
+    from the frame eager's warning names (torch.autograd.graph._engine_run_backward);
+    every time with ``torch.set_warn_always(True)``, as torch's.
     """
-    if _CREATE_GRAPH_WARNED[0]:
+    if _CREATE_GRAPH_WARNED[0] and not torch.is_warn_always_enabled():
         return
     _CREATE_GRAPH_WARNED[0] = True
     leaf = torch.zeros((), requires_grad=True)
