@@ -371,3 +371,30 @@ def test_broadcast_gradients_reduced_over_sizes():
             got = torch.autograd.grad(loss, [x, gate, scale])
         assert all(torch.equal(w, g) for w, g in zip(want, got)), (b, t)
     assert gradfx.stats()["captures"] == 1
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_ops_recorded_without_fake_dispatch_carry_torchs_metadata(dynamic):
+    # t, transpose, detach, mm and bmm are recorded with a fake the tracer lays out
+    # itself: each must have the sizes, strides and dtype torch's own kernel gives,
+    # and torch's proxy_call is back once the trace is over.
+    from torch.fx.experimental import proxy_tensor
+    from gradfx.capture.trace import fast_ops, plain_layout
+    before = proxy_tensor.proxy_call
+    torch.manual_seed(0)
+    graph = gradfx.capture(_Heads()(torch.randn(3, 8, 32)).square().mean(), dynamic=dynamic)
+    assert proxy_tensor.proxy_call is before
+    checked = set()
+    for node in graph.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target not in fast_ops._LAYOUTS:
+            continue
+        args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
+        val = node.meta["val"]
+        fake_mode = val.fake_mode
+        with fake_mode:
+            want = node.target(*args)
+        def layout(t):  # as expressions: equal as written, not only at these sizes
+            return [str(plain_layout.expr(x)) for x in (*t.shape, *t.stride())], t.dtype
+        assert layout(want) == layout(val), node
+        checked.add(node.target)
+    assert {torch.ops.aten.t.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default} <= checked

@@ -37,7 +37,7 @@ from torch._prims_common import is_contiguous_or_false, make_contiguous_strides_
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..run import hook_ops, runtime_ops
-from . import plain_layout, sym_memo
+from . import fast_ops, plain_layout, sym_memo
 from .getitems import unpack_right_after
 from .ready_queue import ReadyQueue
 from .rules import RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
@@ -642,7 +642,8 @@ def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float) -> 
             pos_by_owner[owner] = k + 1
     # The engine runs a backward with grad mode = create_graph: formulas branch on it
     # (silu, group_norm, det, solve record other ops when they must be differentiable).
-    with substitute(table), t.fake_mode, t.proxy_mode, torch.set_grad_enabled(call.create_graph):
+    with substitute(table), t.fake_mode, t.proxy_mode, torch.set_grad_enabled(call.create_graph), \
+            fast_ops.recorded_directly(t):
         captured = _run_engine(t, grads)
     out = []
     for g in captured:
