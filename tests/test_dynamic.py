@@ -375,9 +375,9 @@ def test_broadcast_gradients_reduced_over_sizes():
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_ops_recorded_without_fake_dispatch_carry_torchs_metadata(dynamic):
-    # t, transpose, detach, mm and bmm are recorded with a fake the tracer lays out
-    # itself: each must have the sizes, strides and dtype torch's own kernel gives,
-    # and torch's proxy_call is back once the trace is over.
+    # t, transpose, detach, mm, bmm and elementwise ops are recorded with a fake the
+    # tracer lays out itself: each must have the sizes, strides and dtype torch's own
+    # kernel gives, and torch's proxy_call is back once the trace is over.
     from torch.fx.experimental import proxy_tensor
     from gradfx.capture.trace import fast_ops, plain_layout
     before = proxy_tensor.proxy_call
@@ -397,4 +397,6 @@ def test_ops_recorded_without_fake_dispatch_carry_torchs_metadata(dynamic):
             return [str(plain_layout.expr(x)) for x in (*t.shape, *t.stride())], t.dtype
         assert layout(want) == layout(val), node
         checked.add(node.target)
-    assert {torch.ops.aten.t.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default} <= checked
+    aten = torch.ops.aten
+    assert {aten.t.default, aten.mm.default, aten.bmm.default, aten.mul.Tensor, aten.mul.Scalar,
+            aten._softmax_backward_data.default} <= checked

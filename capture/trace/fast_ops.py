@@ -3,8 +3,9 @@
 In a symbolic trace every op a backward formula calls goes through torch's proxy
 mode and fake-tensor kernel: 0.3-1 ms each, most of it building the output fake's
 symbolic metadata.  For the ops backward formulas call most (``t``, ``transpose``,
-``detach``, ``mm``, ``bmm``: a third of T5's) the output's sizes and strides are the
-inputs' rearranged, so the tracer makes a fake of that layout itself
+``detach``, ``mm``, ``bmm``, and elementwise ops on tensors of one contiguous layout:
+two thirds of T5's) the output's sizes and strides are the inputs' rearranged, so
+the tracer makes a fake of that layout itself
 (``_Tracer.new_fake``) and records the fx node.  Anything these cannot decide from
 the expressions alone (a storage offset, sizes equal only by value, mixed dtypes,
 keyword arguments) goes to torch as before, guards and errors included.
@@ -19,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import track_tensor_tree
 
-from .plain_layout import expr, plainly_equal
+from .plain_layout import expr, plainly_contiguous, plainly_equal
 
 aten = torch.ops.aten
 
@@ -69,8 +70,40 @@ def _bmm(a, b):
     return (a.shape[0], a.shape[1], b.shape[2]), "contiguous"
 
 
+def _elementwise(*tensors):
+    """Tensors of one dtype and device, each contiguous and of the same sizes as written:
+    the output is another such tensor (no broadcasting, no type promotion)."""
+    first = tensors[0]
+    for t in tensors:
+        if not (_same_kind(first, t) and len(t.shape) == len(first.shape) and plainly_contiguous(t)
+                and all(map(plainly_equal, t.shape, first.shape))):
+            return None
+    return first.shape, "contiguous"
+
+
+def _with_scalar(x, scalar, *rest):
+    # a Python number does not change a floating tensor's dtype
+    if rest or type(scalar) not in (int, float):
+        return None
+    return _elementwise(x)
+
+
+def _softmax_backward(grad, output, dim, input_dtype):
+    return _elementwise(grad, output) if input_dtype == grad.dtype else None
+
+
+def _threshold_backward(grad, x, threshold):
+    return _elementwise(grad, x)
+
+
 _LAYOUTS = {aten.t.default: _t, aten.transpose.int: _transpose, aten.detach.default: _detach,
-            aten.mm.default: _mm, aten.bmm.default: _bmm}
+            aten.mm.default: _mm, aten.bmm.default: _bmm,
+            aten.mul.Tensor: _elementwise, aten.add.Tensor: _elementwise, aten.sub.Tensor: _elementwise,
+            aten.div.Tensor: _elementwise, aten.neg.default: _elementwise,
+            aten.tanh_backward.default: _elementwise, aten.sigmoid_backward.default: _elementwise,
+            aten.mul.Scalar: _with_scalar, aten.div.Scalar: _with_scalar, aten.pow.Tensor_Scalar: _with_scalar,
+            aten.threshold_backward.default: _threshold_backward,
+            aten._softmax_backward_data.default: _softmax_backward}
 
 
 @contextlib.contextmanager
