@@ -197,6 +197,10 @@ def test_hook_exception_propagates_and_mutation_is_seen():
     (lambda g: g[:2], RuntimeError),
     (lambda g: 5, TypeError),
     (lambda g: g.double(), RuntimeError),
+    (lambda g: g[:2].double(), RuntimeError),  # eager names the type before the size
+    (lambda g: g.to("meta"), RuntimeError),  # MetaFloatType: no legacy name
+    (lambda g: g.to(torch.bfloat16), RuntimeError),  # CPUBFloat16Type
+    (lambda g: g.to(torch.complex64), RuntimeError),
 ])
 def test_wrong_hook_result_raises_like_eager(bad, error):
     def run(use_gfx):

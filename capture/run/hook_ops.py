@@ -27,15 +27,32 @@ def _check_single(original, result, hook):
         raise RuntimeError("gradfx: a hook returned a gradient where the gradient was None; "
                            "this is not supported under gradfx (run it on the eager engine)")
     name = _hook_name(hook)
+    # check_variable_result's order: the type (dtype, device, layout), then the size
+    if result.dtype != original.dtype or result.device != original.device or result.layout != original.layout:
+        raise RuntimeError(f"hook '{name}' has changed the type of value (was "
+                           f"{_type_name(original)} got {_type_name(result)})")
     if result.shape != original.shape:
         raise RuntimeError(f"hook '{name}' has changed the size of value")
-    if result.dtype != original.dtype:
-        raise RuntimeError(f"hook '{name}' has changed the type of value (was "
-                           f"{original.type()} got {result.type()})")
-    if result.device != original.device:
-        raise RuntimeError(f"hook '{name}' has changed the type of value (was "
-                           f"{original.type()} got {result.type()})")
     return result
+
+
+# The dtypes with a legacy tensor type name (torch.FloatTensor, torch.cuda.LongTensor).
+_LEGACY = {torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int",
+           torch.int64: "Long", torch.float16: "Half", torch.float32: "Float", torch.float64: "Double"}
+_SCALAR = {torch.bool: "Bool", torch.bfloat16: "BFloat16", torch.complex32: "ComplexHalf",
+           torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}
+_DEVICE = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta", "mps": "MPS", "xpu": "XPU"}
+
+
+def _type_name(t) -> str:
+    """A tensor's type as eager's hook errors name it: the legacy name where there is
+    one (``torch.FloatTensor``), else the dispatch key's (``MetaFloatType``)."""
+    legacy = _LEGACY.get(t.dtype)
+    if legacy is not None and t.device.type in ("cpu", "cuda") and t.layout in (torch.strided, torch.sparse_coo):
+        return t.type()
+    scalar = legacy or _SCALAR.get(t.dtype) or str(t.dtype).removeprefix("torch.").capitalize()
+    key = _DEVICE.get(t.device.type, t.device.type.upper())
+    return ("Sparse" if t.layout is torch.sparse_coo else "") + key + scalar + "Type"
 
 
 def call_tensor_hook(hook, grad):
