@@ -261,7 +261,7 @@ def emit_values(src, var: str, node, info: TypeInfo) -> None:
         tv = type(value)
         if value is None:
             src.bail_unless("x is None")
-        elif tv in (int, bool, tuple) or (tv is float and value == value):
+        elif tv in (int, bool, str, tuple) or (tv is float and value == value):
             # Same type and equal: what value_key would compare, without its call.
             src.bail_unless(f"type(x) is {tv.__name__} and x == {src.const(value)}")
         else:
