@@ -28,13 +28,12 @@ class RoutingEngine:
         self.engine = engine
 
     def run_backward(self, tensors, *args, **kwargs):
+        # A backward inside a torch.compile'd function, after dynamo broke its graph there,
+        # runs with dynamo's frame callback set: this frame and every frame it calls are
+        # skipped by it (install() marks the code), so dynamo never traces gradfx.
         block = current()
         if block is None or torch_internal(tensors):
             return self.engine.run_backward(tensors, *args, **kwargs)
-        if _eval_frame_callback() is not None:
-            # A backward inside a torch.compile'd function, after dynamo broke its graph
-            # there: dynamo's frame callback is still set and must not trace gradfx.
-            return _outside_dynamo(block.run_backward)(self.engine, tensors, *args, **kwargs)
         return block.run_backward(self.engine, tensors, *args, **kwargs)
 
     def queue_callback(self, callback):
@@ -152,17 +151,13 @@ def _infra_modes() -> bool:
 
 def install() -> None:
     if not isinstance(Variable._execution_engine, RoutingEngine):
+        _skipped_by_dynamo(RoutingEngine.run_backward)
         Variable._execution_engine = RoutingEngine(Variable._execution_engine)
 
 
-_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
-_disabled: dict = {}
-
-
-def _outside_dynamo(fn):
-    """``fn`` run with dynamo's frame callback off (dynamo is imported: it set one)."""
-    wrapped = _disabled.get(fn.__func__)
-    if wrapped is None:
-        import torch._dynamo
-        wrapped = _disabled[fn.__func__] = torch._dynamo.disable(fn.__func__, recursive=True)
-    return wrapped.__get__(fn.__self__)
+def _skipped_by_dynamo(fn) -> None:
+    """Dynamo's frame callback skips ``fn`` and everything it calls, at no cost per call
+    (what ``torch._dynamo.disable(recursive=True)`` does, without a wrapper frame and
+    without importing torch._dynamo)."""
+    ef = torch._C._dynamo.eval_frame
+    ef.set_code_exec_strategy(fn.__code__, ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.SKIP))
