@@ -18,7 +18,6 @@ import contextlib
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental import proxy_tensor
-from torch.fx.experimental.proxy_tensor import track_tensor_tree
 
 from .plain_layout import expr, plainly_contiguous, plainly_equal
 
@@ -117,7 +116,7 @@ def recorded_directly(tracer):
         if layout is not None and proxy_mode.tracer is tracer.tracer and not kwargs and not pre_dispatch:
             found = layout(*args)
             if found is not None:
-                return _record(tracer, func, args, *found)
+                return tracer.record_op(func, args, *found)
         return original(proxy_mode, func, pre_dispatch, args, kwargs)
 
     proxy_tensor.proxy_call = proxy_call
@@ -125,12 +124,3 @@ def recorded_directly(tracer):
         yield
     finally:
         proxy_tensor.proxy_call = original
-
-
-def _record(tracer, func, args, shape, strides):
-    like = args[0]
-    out = tracer.new_fake(shape, strides, like.dtype, like.device)
-    proxy = tracer.tracer.create_proxy("call_function", func, tuple(tracer.arg(a) for a in args), {})
-    proxy.node.meta["original_aten"] = func
-    track_tensor_tree(out, proxy, constant=None, tracer=tracer.tracer)
-    return out

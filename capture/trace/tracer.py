@@ -185,7 +185,6 @@ class _Tracer:
         proving stride equalities in sympy, a guard each (on GPT-2's first symbolic
         capture its view backwards took 1.35 s that way, 0.8 s this way).  None where
         the expressions do not decide it (then: reshape on the fakes)."""
-        t = self
         with disable_proxy_modes_tracing():  # size arithmetic for the guards, not the graph
             numel = 1
             for d in shape:
@@ -197,26 +196,26 @@ class _Tracer:
             if plain_layout.plainly_contiguous(grad):
                 strides = "contiguous"
             else:
-                strides = plain_layout.view_strides(grad.shape, grad.stride(), shape, t.shape_env)
+                strides = plain_layout.view_strides(grad.shape, grad.stride(), shape, self.shape_env)
                 if strides is plain_layout.UNDECIDED:
                     if not is_contiguous_or_false(grad):
                         return None
                     strides = "contiguous"
-        copy = strides is None  # no view: a contiguous copy, viewed
-        if copy:
-            contiguous = t.new_fake(grad.shape, "contiguous", grad.dtype, grad.device)
-        out = t.new_fake(shape, "contiguous" if copy else strides, grad.dtype, grad.device)
-        source = t.proxy(grad)
-        if copy:  # ATen: _unsafe_view(self.clone(contiguous_format), shape)
-            proxy = t.tracer.create_proxy("call_function", torch.ops.aten.clone.default, (source,),
-                                          {"memory_format": torch.contiguous_format}, name="clone")
-            track_tensor_tree(contiguous, proxy, constant=None, tracer=t.tracer)
-            source, op = proxy, torch.ops.aten._unsafe_view.default
-        else:
-            op = torch.ops.aten.view.default
-        proxy = t.tracer.create_proxy("call_function", op, (source, [t.arg(d) for d in shape]), {},
-                                      name="view")
-        track_tensor_tree(out, proxy, constant=None, tracer=t.tracer)
+        if strides is None:  # no view: ATen's _unsafe_view(self.clone(contiguous_format), shape)
+            copy = self.record_op(torch.ops.aten.clone.default, (grad,), grad.shape, "contiguous",
+                                  {"memory_format": torch.contiguous_format})
+            return self.record_op(torch.ops.aten._unsafe_view.default, (copy, list(shape)), shape, "contiguous")
+        return self.record_op(torch.ops.aten.view.default, (grad, list(shape)), shape, strides)
+
+    def record_op(self, func, args, shape, strides, kwargs=None):
+        """Record ``func(*args, **kwargs)`` whose output the caller has laid out (``shape``,
+        ``strides``; dtype and device of ``args[0]``): no fake-tensor dispatch."""
+        like = args[0]
+        out = self.new_fake(shape, strides, like.dtype, like.device)
+        args = tuple([self.arg(x) for x in a] if type(a) is list else self.arg(a) for a in args)  # lists stay lists
+        proxy = self.tracer.create_proxy("call_function", func, args, kwargs or {})
+        proxy.node.meta["original_aten"] = func
+        track_tensor_tree(out, proxy, constant=None, tracer=self.tracer)
         return out
 
     def sum_to(self, grad, shape):
