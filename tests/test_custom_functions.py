@@ -686,3 +686,31 @@ def test_opaque_function_saving_none_is_released_after_the_backward():
         return [w], step
 
     run_both(build)
+
+
+def test_current_autograd_node_inside_a_custom_backward():
+    """torch._C._current_autograd_node() names the node whose backward runs, as in eager
+    (DebugMode and the engine's debug logging read it)."""
+    seen = []
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            node = torch._C._current_autograd_node()
+            seen.append((type(node).__name__, node is ctx))
+            return grad * 2
+
+    def run():
+        x = torch.randn(3, requires_grad=True)
+        Twice.apply(x).sin().sum().backward()
+
+    run()
+    with gradfx.compiled_autograd():
+        for _ in range(2):
+            run()
+    assert seen == [("TwiceBackward", True)] * 3
+    assert torch._C._current_autograd_node() is None

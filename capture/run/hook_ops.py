@@ -119,6 +119,25 @@ _task = threading.local()
 _real_task_id = torch._C._current_graph_task_id
 _real_will_execute = torch._C._will_engine_execute_node
 _real_keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
+_real_current_node = torch._C._current_autograd_node
+
+
+def _current_autograd_node():
+    node = getattr(_task, "node", None)
+    return node if node is not None else _real_current_node()
+
+
+def running_node(node):
+    """Make ``node`` what ``torch._C._current_autograd_node()`` answers while it runs as
+    an opaque call (the engine's ``current_evaluating_node``); returns the previous one,
+    for :func:`done_running`."""
+    previous = getattr(_task, "node", None)
+    _task.node = node
+    return previous
+
+
+def done_running(previous) -> None:
+    _task.node = previous
 
 
 def _get_current_graph_task_keep_graph():
@@ -175,6 +194,7 @@ class graph_task:
         torch._C._current_graph_task_id = _current_graph_task_id
         torch._C._will_engine_execute_node = _will_engine_execute_node
         torch._C._autograd._get_current_graph_task_keep_graph = _get_current_graph_task_keep_graph
+        torch._C._current_autograd_node = _current_autograd_node
         return self
 
     def __exit__(self, *exc):
@@ -183,6 +203,7 @@ class graph_task:
             torch._C._current_graph_task_id = _real_task_id
             torch._C._will_engine_execute_node = _real_will_execute
             torch._C._autograd._get_current_graph_task_keep_graph = _real_keep_graph
+            torch._C._current_autograd_node = _real_current_node
 
 
 HOOK_CALLS = {call_tensor_hook, call_pre_hook, call_post_hook, retain_grad, call_post_accumulate_hook}

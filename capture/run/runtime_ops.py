@@ -176,7 +176,11 @@ def _sparse_first_grad(grad: torch.Tensor, unshared: bool) -> torch.Tensor:
 
 def call_node(node, metas, must_be_defined, *grads):
     """Run a real builtin autograd node (an opaque node); validate as the engine does."""
-    out = node(*grads)
+    previous = hook_ops.running_node(node)
+    try:
+        out = node(*grads)
+    finally:
+        hook_ops.done_running(previous)
     return finish_outputs(node.name(), out if type(out) is tuple else (out,), metas, must_be_defined)
 
 
@@ -194,7 +198,12 @@ def call_backward(ctx, metas, must_be_defined, *grads):
         else:
             grads = tuple(torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
                           for g, m in zip(grads, metadata))
-    outs = function_outputs(ctx.name(), ctx.needs_input_grad, ctx.apply(*grads), [m is not None for m in metas])
+    previous = hook_ops.running_node(ctx)
+    try:
+        result = ctx.apply(*grads)
+    finally:
+        hook_ops.done_running(previous)
+    outs = function_outputs(ctx.name(), ctx.needs_input_grad, result, [m is not None for m in metas])
     return finish_outputs(ctx.name(), outs, metas, must_be_defined)
 
 
