@@ -400,3 +400,37 @@ def test_ops_recorded_without_fake_dispatch_carry_torchs_metadata(dynamic):
     aten = torch.ops.aten
     assert {aten.t.default, aten.mm.default, aten.bmm.default, aten.mul.Tensor, aten.mul.Scalar,
             aten._softmax_backward_data.default} <= checked
+
+
+def test_symbolic_captures_in_two_threads_leave_torch_as_it_was():
+    # Traces on two threads at once share gradfx's replacements of torch functions
+    # (proxy_call, the tensor-metadata extractor, SymNode arithmetic): the results are
+    # eager's, and once both are done torch has its own functions back.
+    import threading
+    from torch.fx.experimental import proxy_tensor
+    from torch.fx.experimental.sym_node import SymNode
+    before = (proxy_tensor.proxy_call, proxy_tensor._extract_tensor_metadata, SymNode.__dict__["mul"])
+    barrier = threading.Barrier(2)
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            torch.manual_seed(k)
+            model = _Heads()
+            x = torch.randn(2 + k, 8, 32)
+            want = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+            barrier.wait()
+            with gradfx.compiled_autograd(dynamic=True, strict=True):
+                got = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+            results[k] = all(torch.equal(w, g) for w, g in zip(want, got))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert results == {0: True, 1: True}
+    assert (proxy_tensor.proxy_call, proxy_tensor._extract_tensor_metadata, SymNode.__dict__["mul"]) == before

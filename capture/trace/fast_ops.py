@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental import proxy_tensor
 
 from .plain_layout import expr, plainly_contiguous, plainly_equal
+from .scoped_patch import ScopedPatch
 
 aten = torch.ops.aten
 
@@ -105,22 +106,32 @@ _LAYOUTS = {aten.t.default: _t, aten.transpose.int: _transpose, aten.detach.defa
             aten._softmax_backward_data.default: _softmax_backward}
 
 
+_tracers: dict = {}  # id(fx tracer) -> its gradfx _Tracer, while it traces
+
+
+def _replacement(original):
+    def proxy_call(proxy_mode, func, pre_dispatch, args, kwargs):
+        layout = _LAYOUTS.get(func)
+        if layout is not None and not kwargs and not pre_dispatch:
+            tracer = _tracers.get(id(proxy_mode.tracer))
+            if tracer is not None:
+                found = layout(*args)
+                if found is not None:
+                    return tracer.record_op(func, args, *found)
+        return original(proxy_mode, func, pre_dispatch, args, kwargs)
+    return proxy_call
+
+
+_patch = ScopedPatch(proxy_tensor, "proxy_call", _replacement)
+
+
 @contextlib.contextmanager
 def recorded_directly(tracer):
     """While ``tracer`` (a ``_Tracer``) traces, the ops above skip fake dispatch.  torch's
-    ``proxy_call`` is replaced for the block; other tracers (another thread's) go to it."""
-    original = proxy_tensor.proxy_call
-
-    def proxy_call(proxy_mode, func, pre_dispatch, args, kwargs):
-        layout = _LAYOUTS.get(func)
-        if layout is not None and proxy_mode.tracer is tracer.tracer and not kwargs and not pre_dispatch:
-            found = layout(*args)
-            if found is not None:
-                return tracer.record_op(func, args, *found)
-        return original(proxy_mode, func, pre_dispatch, args, kwargs)
-
-    proxy_tensor.proxy_call = proxy_call
+    ``proxy_call`` is replaced while some trace needs it; other tracers go to torch's."""
+    _tracers[id(tracer.tracer)] = tracer
     try:
-        yield
+        with _patch.active():
+            yield
     finally:
-        proxy_tensor.proxy_call = original
+        del _tracers[id(tracer.tracer)]

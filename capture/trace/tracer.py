@@ -38,6 +38,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..run import hook_ops, runtime_ops
 from . import fast_ops, plain_layout, sym_memo
+from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
 from .ready_queue import ReadyQueue
 from .rules import RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
@@ -618,7 +619,7 @@ def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) ->
     start = time.perf_counter()
     if symbolic is None:
         return _trace(call, symbolic, start)
-    with _plain_tensor_meta(), sym_memo.memoized(symbolic.shape_env):
+    with _plain_tensor_meta.active(), sym_memo.memoized(symbolic.shape_env):
         return _trace(call, symbolic, start)
 
 
@@ -656,29 +657,25 @@ def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float) -> 
     return Trace(t.tracer.graph, t.opaque, time.perf_counter() - start)
 
 
-@contextlib.contextmanager
-def _plain_tensor_meta():
+def _extract_plainly(original):
     """Every traced tensor's ``tensor_meta`` (fx metadata) without sympy where its
     contiguity is plain.
 
     Recording a tensor, the proxy tracer asks whether it is contiguous in each memory
     format; with symbolic sizes each question is a sympy proof, a sixth of a symbolic
-    trace.  A tensor contiguous as written (:func:`plain_layout.plainly_contiguous`) gets the answer
-    the first question would give; any other asks as before.  The function is replaced
-    for the trace only; another thread tracing meanwhile gets the same answers.
+    trace.  A tensor contiguous as written (:func:`plain_layout.plainly_contiguous`)
+    gets the answer the first question would give; any other asks as before.  The
+    function is replaced while symbolic traces run; another thread's tracing meanwhile
+    gets the same answers.
     """
-    original = proxy_tensor._extract_tensor_metadata
-
     def extract(result, include_contiguity=True):
         if include_contiguity and result.layout is torch.strided and plain_layout.plainly_contiguous(result):
             return original(result, include_contiguity=False)._replace(memory_format=torch.contiguous_format)
         return original(result, include_contiguity)
+    return extract
 
-    proxy_tensor._extract_tensor_metadata = extract
-    try:
-        yield
-    finally:
-        proxy_tensor._extract_tensor_metadata = original
+
+_plain_tensor_meta = ScopedPatch(proxy_tensor, "_extract_tensor_metadata", _extract_plainly)
 
 
 def _group_getitems(graph: fx.Graph) -> None:
