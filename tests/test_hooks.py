@@ -438,3 +438,28 @@ def _same_nested(a, b) -> bool:
     if isinstance(a, (tuple, list)):
         return isinstance(b, (tuple, list)) and len(a) == len(b) and all(map(_same_nested, a, b))
     return a == b
+
+
+def test_post_hook_registered_on_a_node_while_it_runs_raises():
+    """Eager runs a post-hook registered on a node while that node runs (it reads them
+    after the node); a captured graph cannot, so gradfx says so instead of leaving it
+    out. A hook registered meanwhile on another node is fine."""
+    class Registers(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, on_itself):
+            ctx.on_itself = on_itself
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            node = ctx if ctx.on_itself else other.grad_fn
+            node.register_hook(lambda gi, go: None)
+            return grad * 2, None
+
+    other = torch.randn(3, requires_grad=True) * 1
+    x = torch.randn(3, requires_grad=True)
+    with gradfx.compiled_autograd():
+        Registers.apply(x, False).sum().backward()
+        assert torch.equal(x.grad, torch.full((3,), 2.0))
+        with pytest.raises(RuntimeError, match="post-hook was registered on RegistersBackward while it ran"):
+            Registers.apply(x, True).sum().backward()

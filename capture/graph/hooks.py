@@ -54,6 +54,34 @@ class _Probe(threading.local):
 _probe = _Probe()
 
 
+class _Watch(threading.local):
+    touched = None  # while a node runs opaquely: ids of the node-hook dicts given a hook
+
+
+_watch = _Watch()
+
+
+def watch_registrations():
+    """Note the node hooks registered from now on (on this thread); returns what
+    :func:`post_hook_added` needs to stop."""
+    previous = _watch.touched
+    _watch.touched = set()
+    return previous
+
+
+def post_hook_added(node, previous) -> bool:
+    """Stop noting; did ``node`` get a post-hook meanwhile?  Eager runs a post-hook
+    registered while its node ran (it reads them after the node): a graph cannot."""
+    touched = _watch.touched
+    _watch.touched = previous
+    if not touched:
+        return False
+    if previous is not None:
+        previous |= touched  # the node running around this one saw them registered too
+    post = _probe_node(node)[1]
+    return post is not None and id(post) in touched
+
+
 class _ProbeAnswer(Exception):
     """Raised by the wrapper while probing: carries the node's current hook dict."""
 
@@ -103,6 +131,8 @@ def _register_node_hook(backward_hooks, hook):
     if _probe.active:
         raise _ProbeAnswer(backward_hooks)
     result = _orig_node_register(backward_hooks, hook)
+    if _watch.touched is not None:  # a node runs opaquely: note which dict got a hook
+        _watch.touched.add(id(result[0]))
     if backward_hooks is None:  # a new dict, attached to its node when this returns
         created = result[0]
         key = id(created)

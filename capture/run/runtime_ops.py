@@ -14,6 +14,7 @@ import torch
 from torch.autograd.variable import Variable
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from ..graph import hooks
 from ..graph.saved import release_variables
 from . import hook_ops
 
@@ -174,13 +175,20 @@ def _sparse_first_grad(grad: torch.Tensor, unshared: bool) -> torch.Tensor:
     return grad.clone()
 
 
+_LATE_HOOK = ("gradfx: a post-hook was registered on {} while it ran; eager runs it right after the "
+              "node, a captured graph cannot. Run this backward on the eager engine.")
+
+
 def call_node(node, metas, must_be_defined, *grads):
     """Run a real builtin autograd node (an opaque node); validate as the engine does."""
-    previous = hook_ops.running_node(node)
+    previous, watched = hook_ops.running_node(node), hooks.watch_registrations()
     try:
         out = node(*grads)
     finally:
         hook_ops.done_running(previous)
+        added = hooks.post_hook_added(node, watched)
+    if added:
+        raise RuntimeError(_LATE_HOOK.format(node.name()))
     return finish_outputs(node.name(), out if type(out) is tuple else (out,), metas, must_be_defined)
 
 
@@ -198,11 +206,14 @@ def call_backward(ctx, metas, must_be_defined, *grads):
         else:
             grads = tuple(torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
                           for g, m in zip(grads, metadata))
-    previous = hook_ops.running_node(ctx)
+    previous, watched = hook_ops.running_node(ctx), hooks.watch_registrations()
     try:
         result = ctx.apply(*grads)
     finally:
         hook_ops.done_running(previous)
+        added = hooks.post_hook_added(ctx, watched)
+    if added:
+        raise RuntimeError(_LATE_HOOK.format(ctx.name()))
     outs = function_outputs(ctx.name(), ctx.needs_input_grad, result, [m is not None for m in metas])
     return finish_outputs(ctx.name(), outs, metas, must_be_defined)
 
