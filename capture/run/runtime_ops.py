@@ -175,20 +175,25 @@ def _sparse_first_grad(grad: torch.Tensor, unshared: bool) -> torch.Tensor:
     return grad.clone()
 
 
-_LATE_HOOK = ("gradfx: a post-hook was registered on {} while it ran; eager runs it right after the "
-              "node, a captured graph cannot. Run this backward on the eager engine.")
-
-
-def call_node(node, metas, must_be_defined, *grads):
-    """Run a real builtin autograd node (an opaque node); validate as the engine does."""
+def _as_node(node, fn, grads):
+    """``fn(*grads)`` run as the engine runs ``node``: it is the current autograd node
+    meanwhile, and a post-hook registered on it meanwhile is refused (eager runs such a
+    hook right after the node; the graph's post-hook calls are fixed)."""
     previous, watched = hook_ops.running_node(node), hooks.watch_registrations()
     try:
-        out = node(*grads)
+        out = fn(*grads)
     finally:
         hook_ops.done_running(previous)
         added = hooks.post_hook_added(node, watched)
     if added:
-        raise RuntimeError(_LATE_HOOK.format(node.name()))
+        raise RuntimeError(f"gradfx: a post-hook was registered on {node.name()} while it ran; eager runs it "
+                           "right after the node, a captured graph cannot. Run this backward on the eager engine.")
+    return out
+
+
+def call_node(node, metas, must_be_defined, *grads):
+    """Run a real builtin autograd node (an opaque node); validate as the engine does."""
+    out = _as_node(node, node, grads)
     return finish_outputs(node.name(), out if type(out) is tuple else (out,), metas, must_be_defined)
 
 
@@ -206,15 +211,8 @@ def call_backward(ctx, metas, must_be_defined, *grads):
         else:
             grads = tuple(torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
                           for g, m in zip(grads, metadata))
-    previous, watched = hook_ops.running_node(ctx), hooks.watch_registrations()
-    try:
-        result = ctx.apply(*grads)
-    finally:
-        hook_ops.done_running(previous)
-        added = hooks.post_hook_added(ctx, watched)
-    if added:
-        raise RuntimeError(_LATE_HOOK.format(ctx.name()))
-    outs = function_outputs(ctx.name(), ctx.needs_input_grad, result, [m is not None for m in metas])
+    outs = function_outputs(ctx.name(), ctx.needs_input_grad, _as_node(ctx, ctx.apply, grads),
+                            [m is not None for m in metas])
     return finish_outputs(ctx.name(), outs, metas, must_be_defined)
 
 

@@ -13,7 +13,6 @@ the graph is bitwise eager.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import operator
 import time
