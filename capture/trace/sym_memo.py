@@ -14,17 +14,16 @@ those of any other ShapeEnv (another thread's compile) go to torch as before.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.fx.experimental.sym_node import SymNode
 
+from .scoped_patch import ScopedPatch
+
 _METHODS = ("add", "sub", "mul", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "sym_max", "sym_min",
             "floordiv", "mod")
 
-_lock = threading.Lock()
-_memos: dict = {}  # id(shape env) -> {(method, operand keys) -> result}
-_originals: dict = {}  # method -> torch's function, while the wrappers are installed
+_memos: dict = {}  # id(shape env) -> {(method, operand keys) -> result}, while it traces
 
 
 def _key(node):
@@ -48,23 +47,18 @@ def _wrapper(method: str, original):
     return op
 
 
+_PATCHES = [ScopedPatch(SymNode, method, lambda original, method=method: _wrapper(method, original))
+            for method in _METHODS if method in SymNode.__dict__]
+
+
 @contextlib.contextmanager
 def memoized(shape_env):
     """Memoize ``shape_env``'s SymNode arithmetic for the duration of the block."""
-    with _lock:
-        if not _memos:
-            for method in _METHODS:
-                original = SymNode.__dict__.get(method)
-                if original is not None:
-                    _originals[method] = original
-                    setattr(SymNode, method, _wrapper(method, original))
-        _memos[id(shape_env)] = {}
+    _memos[id(shape_env)] = {}
     try:
-        yield
+        with contextlib.ExitStack() as stack:
+            for patch in _PATCHES:
+                stack.enter_context(patch.active())
+            yield
     finally:
-        with _lock:
-            del _memos[id(shape_env)]
-            if not _memos:
-                for method, original in _originals.items():
-                    setattr(SymNode, method, original)
-                _originals.clear()
+        del _memos[id(shape_env)]
