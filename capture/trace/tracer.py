@@ -466,10 +466,11 @@ def _validate(t, node, outputs, edges):
             result.append(g)
             continue
         shape, dtype, _ = t.meta(e[0], e[1])
-        if g.dtype == dtype and _same_sizes(g.shape, shape):
+        same = _same_sizes(g.shape, shape)
+        if same and g.dtype == dtype:
             result.append(g)  # what validate_output returns, without asking sympy
             continue
-        reduced = t.sum_to(g, shape) if t.symbolic is not None and not _same_sizes(g.shape, shape) else None
+        reduced = t.sum_to(g, shape) if t.symbolic is not None and not same else None
         if reduced is not None:
             g = reduced if reduced.dtype == dtype or dtype is None else reduced.to(dtype)
         else:
