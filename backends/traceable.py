@@ -315,6 +315,8 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             _as_custom_op(graph, node, adapter, position)
         elif node.target is runtime_ops.release_saved:
             graph.erase_node(node)  # compiled code takes no live nodes: released after the run
+        elif node.target is runtime_ops.require_gradients:
+            _pass_gradients_on(graph, node)
     if nested:
         # A reentrant checkpoint runs a backward of its own inside the graph, which may
         # accumulate into the same leaves; dynamo would replay its own `.grad` writes
@@ -331,6 +333,18 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
     adapter.contexts = sorted(set(adapter.contexts))
     graph.lint()
     return fx.GraphModule(gm, graph), adapter
+
+
+def _pass_gradients_on(graph, node) -> None:
+    """Compiled code runs whole, without the eager graph's stop for a None gradient
+    (run.continuation): here an opaque call is a custom op that returns tensors, and a
+    custom backward dynamo inlines shows its None to the compiler, which then fails
+    and leaves the graph to the eager backend."""
+    grads = node.args[0]
+    for user in list(node.users):
+        user.replace_all_uses_with(grads[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
 
 
 def _engine_materializes(ctx, grads) -> bool:

@@ -36,6 +36,7 @@ class Capture:
     example_inputs: list
     opaque: list  # labels of the autograd nodes run as the real node
     dynamic_positions: set = frozenset()  # every non-static position: those above and their products
+    frontiers: list = ()  # where the graph may stop and hand over to run.continuation
     compiled: object = None  # what ``compile`` returned
 
     @property
@@ -84,7 +85,7 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
             log.info("gradfx: captured %d autograd nodes into %d fx nodes (%d opaque) in %.1f ms",
                      len(call.nodes), len(gm.graph.nodes), len(trace.opaque), (time.perf_counter() - start) * 1e3)
             made = Capture(graph, guard, size_positions, examples, trace.opaque,
-                           symbolic.dynamic if symbolic is not None else frozenset())
+                           symbolic.dynamic if symbolic is not None else frozenset(), trace.frontiers)
             if compile is not None:
                 made.compiled = compile(gm, examples)
     except BaseException:

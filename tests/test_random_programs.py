@@ -5,7 +5,7 @@ hooks registered through expressions (``b.grad_fn``, ``next_functions``),
 ``retain_grad()`` twice, hooks removed through their handles, sparse embeddings,
 ``masked_fill`` with a tensor value, index ops, ``prod``/``cumprod`` over
 zeros, an opaque custom Function (a non-differentiable output, a number, a
-gradient returned in another layout), non-reentrant checkpoints and hooks that
+gradient returned in another layout), one whose backward sometimes returns None, non-reentrant checkpoints and hooks that
 return gradients laid out otherwise.  PyTorch's own compiled autograd differs from eager on about one such
 program in five (summation order at fan-in, tensor pre-hook order); gradfx must
 not.  Each program also runs at several sizes with symbolic sizes.
@@ -28,7 +28,7 @@ UNARY = [torch.sin, torch.tanh, torch.sigmoid, torch.exp, lambda t: t * 1.7, lam
          lambda t: t.pow(2), lambda t: t / 3.0]
 OPS = ["unary", "add", "mul", "view", "inplace", "slice_inplace", "fanin", "hook", "node_hook",
        "next_hook", "retain_twice", "removed_hook", "embedding", "masked_fill", "index", "prod",
-       "function", "checkpoint", "odd_hook"]
+       "function", "checkpoint", "odd_hook", "none_function"]
 
 
 def _odd_layout(g, layout):
@@ -57,6 +57,20 @@ class _OddFunction(torch.autograd.Function):
         x, = ctx.saved_tensors
         ctx.log.append(("function", ctx.step, g_idx.dtype, tuple(g_idx.shape), g_n))
         return _odd_layout(g * 2.0 + x * 0.25, ctx.layout), None, None, None
+
+
+class _SometimesNone(torch.autograd.Function):
+    """An opaque custom Function whose backward returns None for its input when the
+    incoming gradient sums below zero: eager then hands the formulas before it no
+    gradient (the captured graph stops there and the rest runs node by node)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.5
+
+    @staticmethod
+    def backward(ctx, g):
+        return None if g.sum() < 0 else g * 1.5
 
 
 def _summary(x):
@@ -155,6 +169,8 @@ def _program(seed, log, n=4):
         elif op == "function":
             y, idx, rows = _OddFunction.apply(a, rng.choice(["plain", "columns", "expanded"]), log, step)
             values.append(y + idx.unsqueeze(1) * 0.5 + rows)
+        elif op == "none_function":
+            values.append(_SometimesNone.apply(a) * (1.0 if rng.random() < 0.5 else -1.0))
         elif op == "checkpoint":
             values.append(checkpoint(lambda t: (t.sin() * t).tanh(), a, use_reentrant=False))
         elif op == "odd_hook":

@@ -356,6 +356,25 @@ def finish_outputs(name, outs, metas, must_be_defined):
     return tuple(result)
 
 
+class Diverged(Exception):
+    """A gradient the captured graph traced as a tensor is None at run time: the graph
+    stops, and the backward goes on as eager runs it (see run.continuation)."""
+
+    def __init__(self, frontier: int, grads: tuple, carry: tuple):
+        super().__init__("gradfx: a gradient turned out None where the captured graph traced a tensor")
+        self.frontier, self.grads, self.carry = frontier, grads, carry
+
+
+def require_gradients(grads: tuple, checked: tuple, frontier: int, carry: tuple) -> tuple:
+    """The gradients of a traced formula, of which ``checked`` came from opaque calls:
+    passed through if those are tensors; else the graph stops here (Diverged), handing
+    over ``carry``, what the rest of the backward needs."""
+    for k in checked:
+        if grads[k] is None:
+            raise Diverged(frontier, grads, carry)
+    return grads
+
+
 def add_grads(old, new):
     """InputBuffer::add for gradients that may be None at run time."""
     if old is None:

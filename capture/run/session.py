@@ -25,11 +25,11 @@ from ...backends.identity import Key, callable_key
 from .. import pipeline
 from ..view import annotate
 from ..graph import fast_walk
-from . import counters, hook_ops, routing
+from . import continuation, counters, hook_ops, routing
 from .cache import cache
 from ..view.captured_graph import CapturedGraph
 from ..errors import FallbackWarning, Unsupported, _Fallback
-from .runtime_ops import WrongGradient
+from .runtime_ops import Diverged, WrongGradient
 from ..graph.saved import ForeignHooks
 from ..view import explain
 from ..graph.kinds import OPAQUE
@@ -62,10 +62,10 @@ class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
     __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
-                 "verified", "failed", "output_specs")
+                 "verified", "failed", "output_specs", "frontiers")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
-                 guard, size_positions=(), failed=None, output_specs=None):
+                 guard, size_positions=(), failed=None, output_specs=None, frontiers=()):
         self.fn = fn
         self.boxed = getattr(fn, "_boxed", None)
         self.captured = captured
@@ -84,6 +84,9 @@ class CompiledBackward:
         # autograd.grad graphs of backends gradfx does not generate itself: what each
         # returned gradient must look like (None: not checked).
         self.output_specs = output_specs
+        # Where the graph may stop (a traced gradient None at run time) and the rest of the
+        # backward runs node by node (run.continuation).
+        self.frontiers = frontiers
 
 
 class Session:
@@ -233,7 +236,7 @@ class Session:
         if call.outputs is not None and (failed is None and not self._trusted):
             specs = _output_specs(captured.graph_module.graph)
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
-                                 guard, made.size_positions, failed, specs)
+                                 guard, made.size_positions, failed, specs, made.frontiers)
         if made.dynamic_positions:
             cache.dynamic_positions[structure] = made.dynamic_positions
         cache.put(structure, call.sizes, entry, dynamic=bool(made.size_positions))
@@ -349,6 +352,8 @@ class Session:
             with torch.set_grad_enabled(call.create_graph), task, routing.running_backward():
                 try:
                     out = _call_entry(entry, inputs)
+                except Diverged as stop:
+                    out = continuation.finish(call, entry.frontiers[stop.frontier], stop, keep_graph)
                 except backends.CompileFailedAtRun as failed:  # nothing ran: use the eager backend
                     err = failed.error
                     entry.failed = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err})"

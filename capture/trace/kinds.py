@@ -4,7 +4,8 @@ The tracer stamps ``node.meta["gradfx_kind"]`` on every node it records:
 placeholders by the runtime input they take (``size``, ``grad``, ``saved``,
 ``variable``, ``node``, ``hook``, ``retained``), calls as ``compute`` (pure
 tensor code), ``accumulate`` (writes a leaf's ``.grad``), ``hook`` (calls user
-code) or ``opaque`` (runs a real autograd node or a custom Function's backward).
+code), ``opaque`` (runs a real autograd node or a custom Function's backward) or
+``check`` (stops the graph where an opaque call's gradient is None: run.continuation).
 Rewrites keep the stamp (the compiler-facing form swaps targets, not kinds), so
 the DCE pass, the split backend and the views all ask :func:`kind_of`.  Nodes a
 user's pass adds carry no stamp: they are classified by their target.
@@ -17,13 +18,14 @@ import torch.fx as fx
 
 from ..run import hook_ops, runtime_ops
 
-SIDE_EFFECTS = frozenset({"accumulate", "hook", "opaque"})
+SIDE_EFFECTS = frozenset({"accumulate", "hook", "opaque", "check"})
 
 # For nodes without a stamp: gradfx's runtime functions by what they do.
 _BY_TARGET = {
     runtime_ops.accumulate_grad: "accumulate", runtime_ops.accumulate_grad_unchecked: "accumulate",
     runtime_ops.accumulate_grad_create_graph: "accumulate",
     runtime_ops.call_node: "opaque", runtime_ops.call_backward: "opaque", runtime_ops.release_saved: "opaque",
+    runtime_ops.require_gradients: "check",
     **{fn: "hook" for fn in hook_ops.HOOK_CALLS},
 }
 
@@ -42,6 +44,15 @@ def kind_of(node: fx.Node) -> str:
     if node.op == "placeholder":
         return "input"
     return _BY_TARGET.get(node.target, "compute") if node.op == "call_function" else "compute"
+
+
+def data_inputs(node: fx.Node) -> list:
+    """The fx nodes whose values ``node`` computes with.  A ``check`` also takes what
+    the rest of the backward needs should the graph stop there (run.continuation):
+    a hand-over, not data flow (views do not draw it, layouts do not follow it)."""
+    if node.op == "call_function" and node.target is runtime_ops.require_gradients:
+        return [a for a in node.args[0] if isinstance(a, fx.Node)]
+    return node.all_input_nodes
 
 
 def has_side_effect(node: fx.Node) -> bool:

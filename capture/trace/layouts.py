@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .kinds import kind_of
+from .kinds import data_inputs, kind_of
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
@@ -35,7 +35,7 @@ def generalize_views(graph: fx.Graph) -> int:
             continue
         if kind_of(node) in ("opaque", "hook"):
             unknown.add(node)
-        elif any(a in unknown for a in node.all_input_nodes):
+        elif any(a in unknown for a in data_inputs(node)):
             if node.target in _VIEWS:
                 node.target = aten.reshape.default
                 changed += 1

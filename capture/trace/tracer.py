@@ -1,14 +1,12 @@
 """Trace one backward call into a torch.fx graph, on fake tensors.
 
-The loop in :func:`_run_engine` is engine.cpp's ``thread_main`` /
-``evaluate_function`` minus the threads: pop the ready node with the highest
-sequence number, run it, validate its outputs, add them to the input buffers of
-its next nodes in order, and push nodes whose dependencies reach zero.  Running a
-builtin node on fake tensors records the aten ops of its own backward formula
-(torch's proxy mode does the recording); a node that cannot run on fake tensors
-becomes an opaque ``call_node`` of the real node.  Because the order is the
-engine's, buffers are summed and leaves accumulated in eager's order, so replaying
-the graph is bitwise eager.
+The tracer is one runner of :mod:`engine_loop` (the eager engine's order of
+work): running a builtin node on fake tensors records the aten ops of its own
+backward formula (torch's proxy mode does the recording); a node that cannot run
+on fake tensors becomes an opaque ``call_node`` of the real node; hooks, custom
+backwards and accumulation become calls of gradfx's runtime functions.  Because
+the order is the engine's, buffers are summed and leaves accumulated in eager's
+order, so replaying the graph is bitwise eager.
 """
 
 from __future__ import annotations
@@ -36,14 +34,13 @@ from torch._prims_common import is_contiguous_or_false, make_contiguous_strides_
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..run import hook_ops, runtime_ops
-from . import fast_ops, plain_layout, sym_memo
+from . import engine_loop, fast_ops, plain_layout, sym_memo
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
-from .ready_queue import ReadyQueue
 from .rules import RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
 from .shapes import SymbolicSizes
 from ..graph.saved import substitute, substituted
-from ..graph.kinds import ACCUMULATE, FUNCTION, OPAQUE, TRACED, type_info
+from ..graph.kinds import ACCUMULATE, type_info
 from ..graph.walk import BackwardCall
 from ..errors import _Fallback
 
@@ -55,6 +52,7 @@ class Trace:
     graph: fx.Graph
     opaque: list  # labels of nodes that run opaquely
     seconds: float
+    frontiers: list  # per continuation point of the graph (require_gradients): its Frontier
 
 
 # Nodes whose fake-tensor kernels guard on sizes only to pick an output memory
@@ -116,6 +114,9 @@ class _Tracer:
         self.maybe_none: set[int] = set()  # ids of fakes that may be None at run time
         self.keep: list = []  # keeps those fakes alive so their ids stay unique
         self.layouts: dict = {}  # layout -> the fake that fakes of that layout are detached from
+        self.kinds = call.kinds  # the loop turns a node opaque here when it cannot be traced
+        self.frontiers: list = []  # per require_gradients call: where the graph may stop
+        self.placeholder_values: list = []  # per runtime input: its fake, or the value itself
 
     # -- inputs --------------------------------------------------------------
     def placeholders(self):
@@ -153,6 +154,7 @@ class _Tracer:
             else:
                 self.object_proxies[i] = proxy
                 fakes.append(value)
+        self.placeholder_values = fakes
         return fakes
 
     def fake_tensor(self, pos, value):
@@ -298,8 +300,10 @@ class _Tracer:
         inputs = list(inputs)
         for nr, positions in spec.tensor_pre:
             for pos in positions:
-                inputs[nr] = self.python_call(hook_ops.call_tensor_hook, (_Input(pos), inputs[nr]),
-                                       inputs[nr], label, "hook")
+                grad = inputs[nr]
+                inputs[nr] = self.python_call(hook_ops.call_tensor_hook, (_Input(pos), grad), grad, label, "hook")
+                if grad is not None and id(grad) in self.maybe_none:  # None stays None
+                    self.may_be_none((inputs[nr],))
         for nr, pos in spec.retain:
             self.python_call(hook_ops.retain_grad, (_Input(pos), inputs[nr]), None, label, "hook")
         return inputs
@@ -309,6 +313,7 @@ class _Tracer:
         grads = tuple(inputs)
         for pos in spec.pre:
             grads = self.python_call(hook_ops.call_pre_hook, (_Input(pos), grads), grads, label, "hook")
+            self.may_be_none(grads)
         return list(grads)
 
     def post_hooks(self, i, spec, outputs, inputs):
@@ -318,7 +323,15 @@ class _Tracer:
             # A module's output hook hands on the node's incoming gradients: None where none came.
             like = tuple(o if g is not None else None for o, g in zip(outs, inputs)) if incoming else outs
             outs = self.python_call(hook_ops.call_post_hook, (_Input(pos), outs, tuple(inputs)), like, label, "hook")
+            self.may_be_none(outs)
         return list(outs)
+
+    def may_be_none(self, grads) -> None:
+        """Gradients a node hook returned: it may put None in place of any of them."""
+        for g in grads:
+            if g is not None:
+                self.maybe_none.add(id(g))
+                self.keep.append(g)
 
     def post_accumulate_hooks(self, i, spec, var_pos):
         label = self.call_label(i)
@@ -327,6 +340,71 @@ class _Tracer:
 
     def call_label(self, i):
         return self.call.node_label(i)
+
+    # -- the engine loop's steps (engine_loop) -----------------------------
+    def step(self, state, i):
+        """One task of the ready queue; every fx node it records is labelled with the node."""
+        graph = self.tracer.graph
+        marker = graph._root.prev
+        engine_loop.run_one(self, state, i)
+        label = self.call.node_label(i)
+        node = marker.next
+        while node is not graph._root:
+            node.meta.setdefault("gradfx_node", label)
+            node.meta.setdefault("gradfx_node_index", i)
+            node.meta.setdefault("gradfx_kind", "compute")  # what proxy mode recorded: aten ops
+            node = node.next
+
+    def validate(self, node, outputs, edges):
+        return _validate(self, node, outputs, edges)
+
+    def formula_inputs(self, i, inputs, state):
+        """The gradients a traced formula of node ``i`` gets.
+
+        A gradient from an opaque call (a custom Function's backward, a node run for
+        real) may turn out None at run time, where eager hands the formula an
+        undefined gradient; the traced formula needs a tensor.  Such gradients pass
+        through ``require_gradients`` first: if one is None at run time, the graph
+        stops there and the rest of the backward runs as eager runs it, from the
+        engine's state at this point (a :class:`Frontier`: run.continuation).
+        """
+        checked = tuple(k for k, g in enumerate(inputs) if g is not None and id(g) in self.maybe_none)
+        if not checked:
+            return inputs
+        node = self.call.nodes[i]
+        if type(node).__name__ in RUN_REAL or (self.call.create_graph and (
+                isinstance(node, BackwardCFunction) or type(node).__name__ in RUN_REAL_WITH_HISTORY)):
+            return inputs  # it runs as the real node, which takes None
+        frontier, carry = self.frontier(i, state)
+        self.frontiers.append(frontier)
+        outs = self.python_call(runtime_ops.require_gradients,
+                                (tuple(inputs), checked, len(self.frontiers) - 1, tuple(carry)),
+                                tuple(inputs), self.call.node_label(i), "check")
+        return list(outs)
+
+    def frontier(self, i, state):
+        """The engine's state with node ``i`` part-way (its pre-hooks ran), and the
+        values a continuation needs: (Frontier, those values as traced)."""
+        call = self.call
+        values = self.placeholder_values
+        # Runtime inputs the rest may use: those of the nodes still to run (node i among
+        # them): their saved tensors, hooks, leaves, node objects.
+        done = state.ran - {i}
+        positions = tuple(p for p, (kind, owner) in enumerate(zip(call.input_kinds, call.input_owner))
+                          if kind != "grad" and owner not in done)
+        carry = [_Input(p) if call.input_kinds[p] not in ("grad", "saved") else values[p] for p in positions]
+
+        def slot(g):
+            if g is None:
+                return None
+            carry.append(g)
+            return len(carry) - 1
+
+        buffers = tuple((j, tuple(slot(g) for g in buf)) for j, buf in state.buffers.items())
+        captured = tuple(slot(g) for g in state.captured)
+        frontier = engine_loop.Frontier(i, positions, buffers, tuple(state.deps),
+                                        tuple(j for _, j in state.queue._heap), frozenset(state.ran), captured)
+        return frontier, carry
 
     # -- running one node ----------------------------------------------------
     def run_traced(self, i, node, grads):
@@ -498,122 +576,6 @@ def _same_sizes(got, expected) -> bool:
     return True
 
 
-def _run_engine(t: _Tracer, grads):
-    call = t.call
-    nodes, seq, kinds, records = call.nodes, call.seq, call.kinds, call.records
-    edges = [r.edges for r in records]
-    deps = [r.deps for r in records]
-    needed = None if call.outputs is None else [r.runs for r in records]
-    should_run = None
-    if needed is not None:
-        should_run = [needed[i] or i in call.captures for i in range(len(nodes))]
-    buffers: dict[int, list] = {}
-    queue = ReadyQueue()
-    captured = [None] * (len(call.outputs) if call.outputs is not None else 0)
-
-    def deliver(child, nr, grad):
-        # Engine::evaluate_function's loop body for one output edge.
-        deps[child] -= 1
-        buf = buffers.get(child)
-        if buf is None:
-            if should_run is not None and not should_run[child]:
-                return
-            buf = buffers[child] = [None] * len(nodes[child]._input_metadata)
-        if grad is not None:
-            old = buf[nr]
-            buf[nr] = grad if old is None else t.add(old, grad, call.node_label(child))
-        if deps[child] == 0:
-            queue.push(seq[child], child)
-
-    if len(call.roots) == 1:
-        (j, nr), = call.roots
-        buffers[j] = [None] * len(nodes[j]._input_metadata)
-        buffers[j][nr] = grads[0]
-        queue.push(seq[j], j)
-    else:  # GraphRoot: hands each root gradient to its edge, in order
-        for (j, nr), g in zip(call.roots, grads):
-            deliver(j, nr, g)
-
-    hooks = call.hooks
-    graph = t.tracer.graph
-    while len(queue):
-        marker = graph._root.prev  # label what this node's step records
-        i = queue.pop()
-        _run_one(t, i, buffers, hooks, needed, should_run, kinds, nodes, edges, captured, deliver)
-        label = call.node_label(i)
-        node = marker.next
-        while node is not graph._root:
-            node.meta.setdefault("gradfx_node", label)
-            node.meta.setdefault("gradfx_node_index", i)
-            node.meta.setdefault("gradfx_kind", "compute")  # what proxy mode recorded: aten ops
-            node = node.next
-    return captured
-
-
-def _run_one(t, i, buffers, hooks, needed, should_run, kinds, nodes, edges, captured, deliver):
-    """One task of the ready queue: hooks, the node, post-hooks, hand-off of outputs."""
-    call = t.call
-    inputs = buffers.pop(i)
-    spec = hooks.get(i)
-    if spec is not None:
-        inputs = t.tensor_pre_hooks(i, spec, inputs)
-    if i in call.captures:
-        for nr, pos in call.captures[i]:
-            captured[pos] = inputs[nr]
-    if needed is not None and not needed[i]:
-        return
-    if spec is not None and spec.pre:
-        inputs = t.pre_hooks(i, spec, inputs)
-    kind = kinds[i]
-    node = nodes[i]
-    if kind is ACCUMULATE:
-        if inputs[0] is not None and node.variable.requires_grad:
-            t.accumulate(i, inputs[0], call.records[i].node_input)
-            if spec is not None and spec.post_accumulate:
-                t.post_accumulate_hooks(i, spec, call.records[i].node_input)
-        if spec is not None and spec.post:
-            t.post_hooks(i, spec, [], inputs)
-        return
-    outputs = None
-    if kind is TRACED:
-        outputs = t.run_traced(i, node, inputs)
-    elif kind is FUNCTION:
-        outputs = t.run_function(i, node, inputs)
-    if outputs is None and kind is not OPAQUE:
-        kinds[i] = OPAQUE
-    if outputs is None:
-        outputs = t.run_opaque(i, node, inputs, call.records[i].node_input)
-    else:
-        outputs = _validate(t, node, outputs, edges[i])
-    if should_run is not None and kinds[i] is not FUNCTION and not isinstance(node, BackwardCFunction):
-        outputs = _computed(node, outputs, edges[i], should_run)
-    if spec is not None and spec.post:
-        outputs = t.post_hooks(i, spec, outputs, inputs)
-    if kinds[i] is OPAQUE:
-        t.release_saved(i, node)
-    for g, e in zip(outputs, edges[i]):
-        if e is not None:
-            deliver(e[0], e[1], g)
-
-
-# Builtin nodes whose formula computes a list argument's gradients together: one
-# output of the list needed computes them all (derivatives.yaml's TensorList inputs).
-_GROUPED_OUTPUTS = frozenset({"CatBackward0", "StackBackward0", "BlockDiagBackward0", "ChunkCatBackward0",
-                              "CudnnRnnBackward0", "MiopenRnnBackward0", "MkldnnRnnLayerBackward0",
-                              "NestedTensorFromTensorListBackward0"})
-
-
-def _computed(node, outputs, edges, should_run):
-    """What a builtin formula hands on when only part of the graph runs (autograd.grad,
-    ``backward(inputs=)``): eager computes an output only if its next node runs, so the
-    node's post-hooks see None for the others.  (A custom Function's backward returns
-    what it returns; a list argument's gradients come as one.)"""
-    name = type(node).__name__
-    if name in _GROUPED_OUTPUTS or name.startswith("Foreach"):
-        return outputs
-    return [None if e is not None and not should_run[e[0]] else g for g, e in zip(outputs, edges)]
-
-
 def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) -> Trace:
     """Record ``call`` into an fx graph (sizes symbolic where ``symbolic`` says)."""
     start = time.perf_counter()
@@ -644,7 +606,7 @@ def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float) -> 
     # (silu, group_norm, det, solve record other ops when they must be differentiable).
     with substitute(table), t.fake_mode, t.proxy_mode, torch.set_grad_enabled(call.create_graph), \
             fast_ops.recorded_directly(t):
-        captured = _run_engine(t, grads)
+        captured = engine_loop.drain(t, engine_loop.EngineState.at_start(t, call, grads))
     out = []
     for g in captured:
         out.append(None if g is None else t.proxy(g).node)
@@ -654,7 +616,7 @@ def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float) -> 
         _mark_steals(t.tracer.graph)
     _mark_required_outputs(t.tracer.graph)
     t.tracer.graph._gradfx_create_graph = call.create_graph
-    return Trace(t.tracer.graph, t.opaque, time.perf_counter() - start)
+    return Trace(t.tracer.graph, t.opaque, time.perf_counter() - start, t.frontiers)
 
 
 def _extract_plainly(original):

@@ -54,7 +54,7 @@ class CapturedGraph:
         """One row per fx node: name, label, op, target, shape, dtype, kind, autograd node.
 
         ``kind`` is one of ``size``, ``grad``, ``saved``, ``leaf`` (inputs),
-        ``compute``, ``opaque``, ``hook``, ``accumulate``, ``output``, and
+        ``compute``, ``opaque``, ``check``, ``hook``, ``accumulate``, ``output``, and
         ``runtime`` for the live-object inputs (autograd nodes, hook callables,
         retained tensors), which only ``include_runtime=True`` lists.  ``label`` is
         what pictures show: a leaf's name from ``names=`` (else ``leaf[3, 4]``),

@@ -5,7 +5,7 @@ One place classifies fx nodes (:func:`node_kind`) and names them
 code and the picture (``picture``) all read from here.  The tracer stamps
 ``node.meta["gradfx_kind"]`` on placeholders (``size``, ``grad``, ``saved``,
 ``variable``, ``node``, ``hook``, ``retained``) and on Python calls (``hook``,
-``opaque``, ``accumulate``, ``compute``); aten ops carry no stamp.
+``opaque``, ``check``, ``accumulate``, ``compute``); aten ops carry no stamp.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ HIDDEN_KINDS = frozenset({"runtime"})
 COLOURS = {
     "grad": "#e8e8e8", "saved": "#f2f2f2", "leaf": "#fff3b0", "size": "#e8e8e8", "input": "#e8e8e8",
     "runtime": "#e8e8e8", "compute": "#cfe2ff", "accumulate": "#c7ebc7", "opaque": "#ffd6a5",
+    "check": "#ffe0b2",
     "hook": "#f8c8dc", "output": "#e8e8e8",
 }
 
@@ -45,7 +46,7 @@ _HOOK_WORDS = {
 
 def node_kind(node: fx.Node) -> str:
     """``size``, ``grad``, ``saved``, ``leaf``, ``runtime`` (inputs), ``compute``,
-    ``opaque``, ``hook``, ``accumulate`` or ``output``."""
+    ``opaque``, ``check``, ``hook``, ``accumulate`` or ``output``."""
     kind = kind_of(node)
     if node.op == "placeholder":
         return _PLACEHOLDER_KINDS.get(kind, "input")
@@ -127,6 +128,8 @@ def label(node: fx.Node) -> str:
         if node.target is runtime_ops.release_saved:
             return "release saved"
         return "opaque " + ("backward" if node.target is runtime_ops.call_backward else "node")
+    if kind == "check":
+        return "stop if None"
     if kind == "output":
         names = node.meta.get("gradfx_names")
         return "output" + (" (" + ", ".join(names) + ")" if names else "")

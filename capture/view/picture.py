@@ -23,6 +23,7 @@ from collections import Counter
 
 import torch.fx as fx
 
+from ..trace.kinds import data_inputs
 from . import display
 from .layout import Layout, Scene, TITLE_H, lay_out
 
@@ -57,7 +58,7 @@ def _drawn(graph: fx.Graph) -> list[fx.Node]:
         kind = display.node_kind(node)
         if kind in ("runtime", "size"):
             continue
-        if kind == "output" and not any(display.shown(a) for a in node.all_input_nodes):
+        if kind == "output" and not any(display.shown(a) for a in data_inputs(node)):
             continue
         out.append(node)
     return out
@@ -76,7 +77,7 @@ def _full(graph: fx.Graph, nodes, groups):
         if index is not None:
             tip.append(groups.get(index, ""))
         boxes.append(_Box(node.name, [line], kind, "\n".join(t for t in tip if t), index))
-        for arg in node.all_input_nodes:
+        for arg in data_inputs(node):
             if arg in drawn:
                 edges.append((arg.name, node.name))
     return boxes, edges
@@ -109,7 +110,8 @@ def _summary(graph: fx.Graph, nodes, groups):
         if hooks:
             lines.append(_clip("hooks: " + ", ".join(hooks), 44))
         handed = list(dict.fromkeys(display.short_shape(n) for n in ms
-                                    if any(unit.get(u, u) != unit[n] for u in n.users) and display.short_shape(n)))
+                                    if any(unit.get(u, u) != unit[n] for u in n.users if n in data_inputs(u))
+                                    and display.short_shape(n)))
         if handed:
             lines.append(_clip("→ " + ", ".join(handed[:3]) + (" …" if len(handed) > 3 else ""), 44))
         kind = "opaque" if kinds["opaque"] else "accumulate" if kinds["accumulate"] else "compute"
@@ -124,7 +126,7 @@ def _summary(graph: fx.Graph, nodes, groups):
     ids = {b.id for b in boxes}
     edges = [(a, b) for a, b in edges if a in ids and b in ids]
     for n in loose:  # the output: fed by the nodes whose gradients it returns
-        for arg in n.all_input_nodes:
+        for arg in data_inputs(n):
             if arg in unit and unit[arg] != unit[n]:
                 edges.append((unit[arg], unit[n]))
     return boxes, list(dict.fromkeys(edges))

@@ -1,0 +1,135 @@
+"""The rest of a backward whose captured graph stopped part-way, run as eager runs it.
+
+A captured graph traces what opaque calls (custom Function backwards, nodes run
+for real) return as tensors.  Eager lets such a backward return None for an input
+that needs a gradient: the engine then hands the next formulas an undefined
+gradient, hooks see None, and a custom Function further on gets zeros.  Where a
+traced formula would take such a gradient, the graph passes it through
+``runtime_ops.require_gradients``; if it is None there, the graph stops
+(``runtime_ops.Diverged``), handing over the engine's state at that point (a
+``Frontier``: buffers, dependency counts, ready queue) and the values it refers to.
+
+:func:`finish` runs the remaining nodes through the engine loop the tracer
+follows (``trace.engine_loop``), each for real: builtin nodes called with their
+gradients (None where undefined), custom backwards through their ctx, hooks and
+accumulation through the graph's own runtime functions.  Order, hooks and results
+are eager's; only the speed is that of Python, node by node.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch.autograd.function import BackwardCFunction
+
+from ..graph.kinds import ACCUMULATE, type_info
+from ..graph.saved import SavedTensors
+from ..trace import engine_loop
+from . import hook_ops, runtime_ops
+
+log = logging.getLogger("gradfx")
+
+
+def finish(call, frontier: engine_loop.Frontier, stop: runtime_ops.Diverged, keep_graph: bool) -> tuple:
+    """Run the rest of ``call`` from where its graph stopped; returns the captured gradients."""
+    n = len(frontier.inputs)
+    by_pos = dict(zip(frontier.inputs, stop.carry[:n]))
+    log.debug("gradfx: %s got None where the graph traced a gradient; the rest of this backward runs "
+              "node by node", call.node_label(frontier.node))
+    runner = _Runner(call, by_pos, keep_graph)
+    state = engine_loop.EngineState.at_frontier(call, frontier, stop.carry)
+    return tuple(engine_loop.drain(runner, state, resume=(frontier.node, list(stop.grads))))
+
+
+class _Runner:
+    """engine_loop's steps, run for real on the live nodes."""
+
+    def __init__(self, call, by_pos: dict, keep_graph: bool):
+        self.call = call
+        self.by_pos = by_pos  # input position -> runtime input (hooks, nodes, leaves, saved tensors)
+        self.kinds = list(call.kinds)  # every node left runs as the real node
+        self.keep_graph = keep_graph
+        # Saved tensors of nodes the graph would have traced: gradfx owns them and, without
+        # retain_graph, released its owner before the graph ran (the graph held them).
+        self.saved: dict = {}
+        for p in sorted(by_pos):  # positions of one owner's tensors follow its order
+            if call.input_kinds[p] == "saved":
+                self.saved.setdefault(call.input_owner[p], []).append(by_pos[p])
+
+    def step(self, state, i):
+        engine_loop.run_one(self, state, i)
+
+    def formula_inputs(self, i, inputs, state):
+        return inputs
+
+    def run_traced(self, i, node, grads):
+        return None  # the real node runs instead
+
+    def run_function(self, i, ctx, grads):
+        return None
+
+    def validate(self, node, outputs, edges):
+        raise AssertionError("a continuation runs every node for real")
+
+    def add(self, old, new, label):
+        return runtime_ops.add_grads(old, new)
+
+    def meta(self, j, nr):
+        node = self.call.nodes[j]
+        m = node._input_metadata[nr]
+        return m.shape, node.variable.grad_dtype if self.call.records[j].kind is ACCUMULATE else m.dtype
+
+    def run_opaque(self, i, node, grads, node_input):
+        metas = tuple(None if e is None else self.meta(*e) for e in self.call.records[i].edges)
+        owner = self.call.owned[i]
+        values = self.saved.pop(i, None)
+        if values is not None and isinstance(owner, SavedTensors) and owner.released:
+            owner.tensors.extend(values)  # in place: the saved variables' pack hooks hold this list
+            owner.released = False
+        run = runtime_ops.call_backward if isinstance(node, BackwardCFunction) else runtime_ops.call_node
+        return list(run(node, metas, (False,) * len(metas), *grads))
+
+    def release_saved(self, i, node):
+        if self.keep_graph:
+            return
+        owner = self.call.owned[i]
+        if isinstance(owner, SavedTensors):
+            owner.release()
+            return
+        raw = type_info(type(node)).raw_saved
+        if raw and not getattr(getattr(node, "_forward_cls", None), "clear_saved_tensors_on_access", False):
+            runtime_ops.release_saved(node, raw)
+
+    # -- hooks and accumulation, with the graph's runtime functions ----------
+    def tensor_pre_hooks(self, i, spec, inputs):
+        inputs = list(inputs)
+        for nr, positions in spec.tensor_pre:
+            for pos in positions:
+                inputs[nr] = hook_ops.call_tensor_hook(self.by_pos[pos], inputs[nr])
+        for nr, pos in spec.retain:
+            hook_ops.retain_grad(self.by_pos[pos], inputs[nr])
+        return inputs
+
+    def pre_hooks(self, i, spec, inputs):
+        grads = tuple(inputs)
+        for pos in spec.pre:
+            grads = hook_ops.call_pre_hook(self.by_pos[pos], grads)
+        return list(grads)
+
+    def post_hooks(self, i, spec, outputs, inputs):
+        outs = tuple(outputs)
+        for pos in spec.post:
+            outs = hook_ops.call_post_hook(self.by_pos[pos], outs, tuple(inputs))
+        return list(outs)
+
+    def post_accumulate_hooks(self, i, spec, var_pos):
+        for pos in spec.post_accumulate:
+            hook_ops.call_post_accumulate_hook(self.by_pos[pos], self.by_pos[var_pos])
+
+    def accumulate(self, i, grad, var_input):
+        variable = self.by_pos[var_input]
+        if self.call.create_graph:
+            runtime_ops.accumulate_grad_create_graph(variable, grad)
+        else:  # a copy where eager might steal: the same values and layout, unobservable
+            runtime_ops.accumulate_grad_unchecked(variable, grad, False)
+

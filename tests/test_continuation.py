@@ -1,0 +1,242 @@
+"""A custom backward returning None where the captured graph traced a gradient.
+
+Eager hands the next formulas an undefined gradient: builtin formulas pass None on,
+hooks see None, a custom Function further on gets zeros, a leaf is left alone.
+The captured graph stops where a traced formula would take the None and the rest
+of the backward runs node by node (run.continuation): every gradient and hook call
+must equal eager's, on the first backward and on cached ones.
+"""
+
+import pytest
+import torch
+
+import gradfx
+from gradfx.capture.run import continuation
+
+from .helpers import assert_same
+
+
+class RetNone(torch.autograd.Function):
+    """Returns None for its input: eager passes an undefined gradient on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+class SometimesNone(torch.autograd.Function):
+    """None when the incoming gradient's sum is negative (a data-dependent choice)."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        return x * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None if grad.sum() < 0 else grad * 3), grad
+
+
+class Doubles(torch.autograd.Function):
+    """Gets zeros from the engine where its gradient is undefined (materialize_grads)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2 + 1
+
+
+def _same_log(a, b):
+    assert len(a) == len(b), f"{len(a)} calls vs {len(b)}: {a} vs {b}"
+    for x, y in zip(a, b):
+        if isinstance(x, (tuple, list)):
+            assert isinstance(y, (tuple, list)), (x, y)
+            _same_log(x, y)
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor), (x, y)
+            assert_same([x], [y])
+        else:
+            assert x == y, (x, y)
+
+
+@pytest.fixture
+def continuations(monkeypatch):
+    """How many backwards went on node by node."""
+    count = [0]
+    finish = continuation.finish
+
+    def counted(*args):
+        count[0] += 1
+        return finish(*args)
+    monkeypatch.setattr(continuation, "finish", counted)
+    return count
+
+
+def _compare(program, iterations=3, seed=0, **kwargs):
+    """program(log) -> tensors to compare; eager and gradfx (strict) run it alike."""
+    gradfx.reset()
+    session = None
+    for it in range(iterations):
+        expected_log, got_log = [], []
+        torch.manual_seed(seed + it)
+        expected = program(expected_log)
+        torch.manual_seed(seed + it)
+        with gradfx.compiled_autograd(backend="eager", strict=True, **kwargs) as session:
+            got = program(got_log)
+        assert_same(got, expected)
+        _same_log(got_log, expected_log)
+    return session
+
+
+def test_none_into_a_builtin_formula_leaves_the_leaf_alone(continuations):
+    def program(log):
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        (RetNone.apply(x ** 2) + w).sum().backward()
+        return [x.grad, w.grad]
+    session = _compare(program)
+    assert continuations[0] == 3
+    assert session.stats["cache_hits"] == 1 and session.stats["fallbacks"] == 0
+
+
+def test_hooks_see_none_and_a_custom_function_further_on_gets_zeros(continuations):
+    def program(log):
+        x = torch.randn(2, requires_grad=True)
+        a = Doubles.apply(x)
+        b = a ** 2
+        b.register_hook(lambda g: log.append(("tensor hook", g)))
+        b.grad_fn.register_prehook(lambda g: log.append(("pre-hook", g)))
+        b.grad_fn.register_hook(lambda gi, go: log.append(("post-hook", gi, go)))
+        x.register_post_accumulate_grad_hook(lambda p: log.append(("accumulated", p.grad.clone())))
+        RetNone.apply(b).sum().backward()
+        return [x.grad]
+    _compare(program)
+    assert continuations[0] == 3
+
+
+def test_fan_in_with_a_none_branch_sums_what_eager_sums(continuations):
+    def program(log):
+        x = torch.randn(4, 3, requires_grad=True)
+        lin = torch.nn.Linear(3, 3)
+        h = lin(x).tanh()
+        left = RetNone.apply(h.sin())  # None into SinBackward0
+        right = (h * 3).exp()
+        (left.sum() + right.sum()).backward()
+        return [x.grad, lin.weight.grad, lin.bias.grad]
+    _compare(program)
+    assert continuations[0] == 3
+
+
+def test_none_only_sometimes_takes_each_path_with_one_graph(continuations):
+    def program(log):
+        x = torch.randn(5, requires_grad=True)
+        y = torch.randn(5, requires_grad=True)
+        z = SometimesNone.apply(x.exp(), y.sin()).cos()
+        z.register_hook(lambda g: log.append(("hook", g)))
+        z.sum().backward(torch.tensor(-1.0 if torch.rand(()) < 0.5 else 1.0))
+        return [x.grad, y.grad]
+    session = _compare(program, iterations=8)
+    assert 0 < continuations[0] < 8
+    assert session.stats["fallbacks"] == 0
+
+
+def test_autograd_grad_returns_none_for_an_input_reached_only_through_none(continuations):
+    def program(log):
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        out = (RetNone.apply(x.exp()) * w).sum() + (w ** 2).sum()
+        return list(torch.autograd.grad(out, [x, w], allow_unused=True))
+    _compare(program)
+
+    def refused(log):
+        x = torch.randn(3, requires_grad=True)
+        out = RetNone.apply(x.exp()).sum() + x.sum()
+        (gx,) = torch.autograd.grad(out, [x])
+        return [gx]
+    _compare(refused)
+    assert continuations[0] == 6
+
+
+def test_retain_graph_backward_twice_through_the_continuation(continuations):
+    def program(log):
+        x = torch.randn(3, requires_grad=True)
+        y = RetNone.apply(x.sin()) + x.cos()
+        y.sum().backward(retain_graph=True)
+        first = x.grad.clone()
+        y.sum().backward()
+        try:
+            y.sum().backward()
+        except RuntimeError as err:
+            log.append(str(err)[:60])
+        return [first, x.grad]
+    _compare(program)
+    assert continuations[0] == 6
+
+
+def test_several_roots_and_a_module_hook(continuations):
+    def program(log):
+        net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        net.register_full_backward_hook(lambda m, gi, go: log.append(("module", gi, go)))
+        x = torch.randn(5, 3, requires_grad=True)
+        out = net(x)
+        a = RetNone.apply(out[:, 0].exp()).sum()
+        b = out[:, 1].sum()
+        torch.autograd.backward([a, b])
+        return [x.grad] + [p.grad for p in net.parameters()]
+    _compare(program)
+    assert continuations[0] == 3
+
+
+def test_symbolic_sizes(continuations):
+    def program(log):
+        n = int(torch.randint(2, 9, ()))
+        x = torch.randn(n, 3, requires_grad=True)
+        lin = torch.nn.Linear(3, 3)
+        (RetNone.apply(lin(x).relu()) + lin(x)).sum().backward()
+        return [x.grad, lin.weight.grad]
+    _compare(program, iterations=4, dynamic=True)
+    assert continuations[0] == 4
+
+
+def test_create_graph(continuations):
+    def program(log):
+        x = torch.randn(3, requires_grad=True)
+        y = RetNone.apply(x.sin()) + x ** 3
+        (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        (ggx,) = torch.autograd.grad(gx.sum(), x)
+        return [gx.detach(), ggx]
+    _compare(program)
+
+
+def test_module_backward_pre_hook_and_an_unused_output(continuations):
+    class Two(torch.nn.Module):
+        def forward(self, x):
+            return x.sin(), x.cos()
+
+    def program(log):
+        m = Two()
+        m.register_full_backward_pre_hook(lambda mod, go: log.append(("pre", go)))
+        m.register_full_backward_hook(lambda mod, gi, go: log.append(("hook", gi, go)))
+        x = torch.randn(3, requires_grad=True)
+        a, b = m(x)
+        a.exp().sum().backward()
+        return [x.grad]
+    _compare(program)
+    assert continuations[0] == 3
+
+
+def test_node_post_hook_replacing_a_gradient_with_none(continuations):
+    def program(log):
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        y = x.exp() * w
+        y.grad_fn.register_hook(lambda gi, go: (gi[0], None))  # w gets no gradient from here
+        (y.sin().sum() + w.sum()).backward()
+        return [x.grad, w.grad]
+    _compare(program)
