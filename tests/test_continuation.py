@@ -240,3 +240,24 @@ def test_node_post_hook_replacing_a_gradient_with_none(continuations):
         (y.sin().sum() + w.sum()).backward()
         return [x.grad, w.grad]
     _compare(program)
+
+
+def test_autograd_grad_of_an_input_reached_only_through_none_raises_eagers_error():
+    def program(log):
+        x = torch.randn(3, requires_grad=True)
+        try:
+            torch.autograd.grad(RetNone.apply(x.exp()).sum(), [x])
+        except RuntimeError as err:
+            log.append(str(err))
+        return []
+    _compare(program)
+
+
+def test_a_stop_is_logged_at_info_once_per_graph_and_place(caplog):
+    gradfx.reset()
+    with caplog.at_level("INFO", logger="gradfx"), gradfx.compiled_autograd():
+        for _ in range(3):
+            x = torch.randn(3, requires_grad=True)
+            RetNone.apply(x.exp()).sum().backward()
+    stops = [r for r in caplog.records if "runs node by node" in r.getMessage() and r.levelname == "INFO"]
+    assert len(stops) == 1 and "ExpBackward0" in stops[0].getMessage()

@@ -18,8 +18,6 @@ are eager's; only the speed is that of Python, node by node.
 
 from __future__ import annotations
 
-import logging
-
 from torch.autograd.function import BackwardCFunction
 
 from ..graph.kinds import ACCUMULATE, type_info
@@ -27,15 +25,11 @@ from ..graph.saved import SavedTensors
 from ..trace import engine_loop
 from . import hook_ops, runtime_ops
 
-log = logging.getLogger("gradfx")
-
 
 def finish(call, frontier: engine_loop.Frontier, stop: runtime_ops.Diverged, keep_graph: bool) -> tuple:
     """Run the rest of ``call`` from where its graph stopped; returns the captured gradients."""
     n = len(frontier.inputs)
     by_pos = dict(zip(frontier.inputs, stop.carry[:n]))
-    log.debug("gradfx: %s got None where the graph traced a gradient; the rest of this backward runs "
-              "node by node", call.node_label(frontier.node))
     runner = _Runner(call, by_pos, keep_graph)
     state = engine_loop.EngineState.at_frontier(call, frontier, stop.carry)
     return tuple(engine_loop.drain(runner, state, resume=(frontier.node, list(stop.grads))))

@@ -62,7 +62,7 @@ class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
     __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
-                 "verified", "failed", "output_specs", "frontiers")
+                 "verified", "failed", "output_specs", "frontiers", "stopped")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
                  guard, size_positions=(), failed=None, output_specs=None, frontiers=()):
@@ -87,6 +87,7 @@ class CompiledBackward:
         # Where the graph may stop (a traced gradient None at run time) and the rest of the
         # backward runs node by node (run.continuation).
         self.frontiers = frontiers
+        self.stopped: set = set()  # frontiers where a backward stopped (logged once each)
 
 
 class Session:
@@ -353,7 +354,14 @@ class Session:
                 try:
                     out = _call_entry(entry, inputs)
                 except Diverged as stop:
-                    out = continuation.finish(call, entry.frontiers[stop.frontier], stop, keep_graph)
+                    frontier = entry.frontiers[stop.frontier]
+                    # Once per graph and place at INFO: a backward that stops each time runs
+                    # its rest at Python speed.
+                    level = logging.DEBUG if stop.frontier in entry.stopped else logging.INFO
+                    entry.stopped.add(stop.frontier)
+                    log.log(level, "gradfx: %s gets None where the graph traced a gradient; the rest of this "
+                            "backward runs node by node", call.node_label(frontier.node))
+                    out = continuation.finish(call, frontier, stop, keep_graph)
                 except backends.CompileFailedAtRun as failed:  # nothing ran: use the eager backend
                     err = failed.error
                     entry.failed = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err})"
