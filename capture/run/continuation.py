@@ -26,10 +26,12 @@ from ..trace import engine_loop
 from . import hook_ops, runtime_ops
 
 
-def finish(call, frontier: engine_loop.Frontier, stop: runtime_ops.Diverged, keep_graph: bool) -> tuple:
-    """Run the rest of ``call`` from where its graph stopped; returns the captured gradients."""
-    n = len(frontier.inputs)
-    by_pos = dict(zip(frontier.inputs, stop.carry[:n]))
+def finish(call, frontier: engine_loop.Frontier, stop: runtime_ops.Diverged, keep_graph: bool,
+           objects: dict) -> tuple:
+    """Run the rest of ``call`` from where its graph stopped; returns the captured gradients.
+    ``objects``: the call's runtime inputs that are not tensors (hooks, nodes, leaves), by position."""
+    by_pos = dict(objects)
+    by_pos.update(zip(frontier.saved, stop.carry))
     runner = _Runner(call, by_pos, keep_graph)
     state = engine_loop.EngineState.at_frontier(call, frontier, stop.carry)
     return tuple(engine_loop.drain(runner, state, resume=(frontier.node, list(stop.grads))))

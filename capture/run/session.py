@@ -62,7 +62,7 @@ class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
     __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
-                 "verified", "failed", "output_specs", "frontiers", "stopped")
+                 "verified", "failed", "output_specs", "frontiers", "stopped", "object_positions")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
                  guard, size_positions=(), failed=None, output_specs=None, frontiers=()):
@@ -88,6 +88,7 @@ class CompiledBackward:
         # backward runs node by node (run.continuation).
         self.frontiers = frontiers
         self.stopped: set = set()  # frontiers where a backward stopped (logged once each)
+        self.object_positions = ()  # where frontiers: the inputs that are not tensors (set by the capture)
 
 
 class Session:
@@ -238,6 +239,8 @@ class Session:
             specs = _output_specs(captured.graph_module.graph)
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
                                  guard, made.size_positions, failed, specs, made.frontiers)
+        if made.frontiers:
+            entry.object_positions = [p for p, kind in enumerate(call.input_kinds) if kind not in ("grad", "saved")]
         if made.dynamic_positions:
             cache.dynamic_positions[structure] = made.dynamic_positions
         cache.put(structure, call.sizes, entry, dynamic=bool(made.size_positions))
@@ -333,6 +336,9 @@ class Session:
 
     def _run(self, entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
         inputs = call.inputs
+        # Where the graph may stop, the rest of the backward needs the hooks, nodes and
+        # leaves (the graph hands over the tensors it still holds).
+        objects = {p: inputs[p] for p in entry.object_positions} if entry.frontiers else None
         if entry.size_positions:
             sizes = call.sizes
             inputs = [sizes[p] for p in entry.size_positions] + inputs
@@ -361,7 +367,7 @@ class Session:
                     entry.stopped.add(stop.frontier)
                     log.log(level, "gradfx: %s gets None where the graph traced a gradient; the rest of this "
                             "backward runs node by node", call.node_label(frontier.node))
-                    out = continuation.finish(call, frontier, stop, keep_graph)
+                    out = continuation.finish(call, frontier, stop, keep_graph, objects)
                 except backends.CompileFailedAtRun as failed:  # nothing ran: use the eager backend
                     err = failed.error
                     entry.failed = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err})"

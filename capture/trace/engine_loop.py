@@ -27,13 +27,13 @@ class Frontier:
     (a ``require_gradients`` call), for the continuation to go on from.
 
     Gradients are named by their index in the values the graph hands over: first
-    the runtime inputs at ``inputs`` (positions among the graph's inputs), then
-    the buffered and captured gradients.  Node ``node`` is part-way: its
-    pre-hooks ran, its gradients come with the call.
+    the saved tensors at ``saved`` (positions among the graph's inputs), then the
+    buffered and captured gradients.  Node ``node`` is part-way: its pre-hooks
+    ran, its gradients come with the call.
     """
 
     node: int
-    inputs: tuple  # positions of the runtime inputs handed over
+    saved: tuple  # positions of the saved tensors handed over (those of the nodes still to run)
     buffers: tuple  # (node index, per input: value index or None)
     deps: tuple  # per node: incoming edges not yet delivered
     heap: tuple  # node indices in the ready queue's heap order

@@ -258,9 +258,12 @@ class _Tracer:
 
     # -- recording side-effecting calls -------------------------------------
     def record(self, fn, args, label):
-        proxy = self.tracer.create_proxy("call_function", fn, args, {})
-        proxy.node.meta["gradfx_node"] = label
-        return proxy
+        # The arguments are proxies, tuples and constants (see ``arg``): their fx nodes
+        # directly, without the tracer's generic conversion (which costs microseconds per
+        # element, and a stop hands over hundreds).
+        node = self.tracer.create_node("call_function", fn, _fx_args(args), {})
+        node.meta["gradfx_node"] = label
+        return self.tracer.proxy(node)
 
     def python_call(self, fn, args, like, label, kind):
         """Record ``fn(*args)`` with Python semantics; its result looks like ``like``.
@@ -387,12 +390,12 @@ class _Tracer:
         values a continuation needs: (Frontier, those values as traced)."""
         call = self.call
         values = self.placeholder_values
-        # Runtime inputs the rest may use: those of the nodes still to run (node i among
-        # them): their saved tensors, hooks, leaves, node objects.
+        # The saved tensors of the nodes still to run (node i's among them): the graph
+        # frees each at its last use.  (Hooks, leaves and nodes the session keeps.)
         done = state.ran - {i}
         positions = tuple(p for p, (kind, owner) in enumerate(zip(call.input_kinds, call.input_owner))
-                          if kind != "grad" and owner not in done)
-        carry = [_Input(p) if call.input_kinds[p] not in ("grad", "saved") else values[p] for p in positions]
+                          if kind == "saved" and owner not in done)
+        carry = [values[p] for p in positions]
 
         def slot(g):
             if g is None:
@@ -533,6 +536,14 @@ class _Tracer:
         proxy = self.record(runtime_ops.accumulate_grad,
                             (self.object_proxies[var_input], self.proxy(grad), False), label)
         proxy.node.meta["gradfx_kind"] = "accumulate"
+
+
+def _fx_args(x):
+    if isinstance(x, fx.Proxy):
+        return x.node
+    if type(x) is tuple:
+        return tuple([_fx_args(a) for a in x])
+    return x
 
 
 def _validate(t, node, outputs, edges):
