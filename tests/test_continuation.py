@@ -261,3 +261,18 @@ def test_a_stop_is_logged_at_info_once_per_graph_and_place(caplog):
             RetNone.apply(x.exp()).sum().backward()
     stops = [r for r in caplog.records if "runs node by node" in r.getMessage() and r.levelname == "INFO"]
     assert len(stops) == 1 and "ExpBackward0" in stops[0].getMessage()
+
+
+def test_a_tensor_hook_returning_a_gradient_for_none_raises_eagers_error():
+    def program(log):
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        b = x.exp()
+        b.register_hook(lambda g: torch.ones(3))
+        w.register_hook(lambda g: log.append(("w", g)))
+        try:
+            (RetNone.apply(b).sum() + (w * 2).sum()).backward()
+        except RuntimeError as err:
+            log.append(str(err))
+        return [x.grad, w.grad]
+    _compare(program)

@@ -24,8 +24,7 @@ def _check_single(original, result, hook):
     if not isinstance(result, torch.Tensor):
         raise TypeError(f"expected Variable, but hook returned '{type(result).__name__}'")
     if original is None:
-        raise RuntimeError("gradfx: a hook returned a gradient where the gradient was None; "
-                           "this is not supported under gradfx (run it on the eager engine)")
+        raise RuntimeError("can't replace a None gradient with a non-None value")
     name = _hook_name(hook)
     # check_variable_result's order: the type (dtype, device, layout), then the size
     if result.dtype != original.dtype or result.device != original.device or result.layout != original.layout:
