@@ -45,9 +45,9 @@ class Capture:
 
 
 def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=None, grad_inputs=(),
-                 keep_code: bool = False, compile=None) -> Capture:
+                 keep_code: bool = False, compile=None, assumed_none=frozenset()) -> Capture:
     """Trace ``call`` (symbolic at ``dynamic_positions``, position -> symbol group;
-    static if that trace fails),
+    static if that trace fails; gradients of opaque calls at ``assumed_none`` as None),
     run ``passes``, wrap the result and ``compile(gm, example_inputs)`` it if given.
     Raises ``_Fallback`` if it cannot be traced."""
     from .trace.shapes import Guard, SymbolicSizes  # sympy and fake tensors: not at import
@@ -61,14 +61,14 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
             if dynamic_positions:
                 symbolic = SymbolicSizes(call.sizes, dynamic_positions, dynamic_positions)
                 try:
-                    trace = trace_backward(call, symbolic)
+                    trace = trace_backward(call, symbolic, assumed_none)
                 except Exception:
                     log.info("gradfx: tracing with symbolic sizes failed; capturing static sizes",
                              exc_info=log.isEnabledFor(logging.DEBUG))
                     symbolic = None
                     call.kinds = [r.kind for r in call.records]
             if trace is None:
-                trace = _trace_static(call)
+                trace = _trace_static(call, assumed_none)
             describe = lambda p: explain.describe_position(call, p)  # noqa: E731
             guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
             size_positions = symbolic.positions if symbolic is not None else []
@@ -114,10 +114,10 @@ def _collector_paused():
         gc.enable()
 
 
-def _trace_static(call: BackwardCall):
+def _trace_static(call: BackwardCall, assumed_none):
     from .trace.tracer import trace_backward
     try:
-        return trace_backward(call, None)
+        return trace_backward(call, None, assumed_none)
     except _Fallback:
         raise
     except Exception as err:

@@ -14,8 +14,18 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
+from dataclasses import dataclass
 
 DEFAULT_SIZE = 128
+
+
+@dataclass(frozen=True)
+class Assumed:
+    """The key of a graph traced with some gradients from opaque calls as None
+    (``none``: (node index, input) pairs), for a structure whose graph stopped there."""
+
+    base: object  # the structure
+    none: frozenset
 
 
 class GraphCache:
@@ -28,6 +38,9 @@ class GraphCache:
         self.last_sizes: dict = {}  # structure -> sizes of its latest capture
         self.dynamic_positions: dict = {}  # structure -> positions made dynamic so far
         self.on_forget: list = []  # callables(structure), called when a structure's last entry goes
+        # structure -> the gradients from opaque calls that were None when its graph last
+        # stopped: the next backward uses (or captures) the graph traced so (an Assumed key)
+        self.assumed_none: dict = {}
 
     def lookup(self, structure, sizes):
         entry = self._static.get((structure, tuple(sizes)))
@@ -78,7 +91,23 @@ class GraphCache:
             if not self._per_structure[structure]:
                 self._forget(structure)
 
+    def key(self, structure):
+        """The key to look ``structure`` up by: its Assumed key where its graph stopped."""
+        none = self.assumed_none.get(structure)
+        return structure if none is None else Assumed(structure, none)
+
+    def stopped(self, key, node: int, checked: tuple, none: frozenset) -> None:
+        """A graph of ``key`` stopped at ``node``, whose gradients at ``checked`` came from
+        opaque calls, ``none`` of them None: the next backward assumes so."""
+        base, assumed = (key.base, key.none) if isinstance(key, Assumed) else (key, frozenset())
+        assumed = frozenset(a for a in assumed if a[0] != node) | {(node, k) for k in none}
+        if assumed:
+            self.assumed_none[base] = assumed
+        else:
+            self.assumed_none.pop(base, None)
+
     def _forget(self, structure) -> None:
+        self.assumed_none.pop(structure.base if isinstance(structure, Assumed) else structure, None)
         del self._per_structure[structure]
         self.last_sizes.pop(structure, None)
         self.dynamic_positions.pop(structure, None)
@@ -92,6 +121,7 @@ class GraphCache:
         self._per_structure.clear()
         self.last_sizes.clear()
         self.dynamic_positions.clear()
+        self.assumed_none.clear()
 
     def __len__(self) -> int:
         return len(self._lru)

@@ -365,12 +365,16 @@ class Diverged(Exception):
         self.frontier, self.grads, self.carry = frontier, grads, carry
 
 
-def require_gradients(grads: tuple, checked: tuple, frontier: int, carry: tuple) -> tuple:
-    """The gradients of a traced formula, of which ``checked`` came from opaque calls:
-    passed through if those are tensors; else the graph stops here (Diverged), handing
-    over ``carry``, what the rest of the backward needs."""
-    for k in checked:
+def require_gradients(grads: tuple, defined: tuple, none: tuple, frontier: int, carry: tuple) -> tuple:
+    """The gradients of a traced formula, some from opaque calls: passed through if those
+    at ``defined`` are tensors and those at ``none`` are None, as the graph was traced;
+    else the graph stops here (Diverged), handing over ``carry``, what the rest of the
+    backward needs."""
+    for k in defined:
         if grads[k] is None:
+            raise Diverged(frontier, grads, carry)
+    for k in none:
+        if grads[k] is not None:
             raise Diverged(frontier, grads, carry)
     return grads
 

@@ -26,7 +26,7 @@ from .. import pipeline
 from ..view import annotate
 from ..graph import fast_walk
 from . import continuation, counters, hook_ops, routing
-from .cache import cache
+from .cache import Assumed, cache
 from ..view.captured_graph import CapturedGraph
 from ..errors import FallbackWarning, Unsupported, _Fallback
 from .runtime_ops import Diverged, WrongGradient
@@ -62,7 +62,7 @@ class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
     __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
-                 "verified", "failed", "output_specs", "frontiers", "stopped", "object_positions")
+                 "verified", "failed", "output_specs", "frontiers", "stopped", "object_positions", "key")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
                  guard, size_positions=(), failed=None, output_specs=None, frontiers=()):
@@ -89,6 +89,7 @@ class CompiledBackward:
         self.frontiers = frontiers
         self.stopped: set = set()  # frontiers where a backward stopped (logged once each)
         self.object_positions = ()  # where frontiers: the inputs that are not tensors (set by the capture)
+        self.key = None  # its cache key (set by the capture)
 
 
 class Session:
@@ -185,9 +186,10 @@ class Session:
             call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph,
                                  take_functions=not self._plain_graph)
             structure = (call.key, config)
-        entry = cache.lookup(structure, call.sizes)
+        key = cache.key(structure)
+        entry = cache.lookup(key, call.sizes)
         if entry is None:
-            entry = self._capture(call, structure, tensors, () if accumulate_grad else inputs)
+            entry = self._capture(call, key, tensors, () if accumulate_grad else inputs)
             self._count("captures")
         else:
             if entry.failed is not None:  # before anything is released
@@ -218,8 +220,14 @@ class Session:
         return engine.run_backward(*args)
 
     def _capture(self, call: BackwardCall, structure, tensors, grad_inputs=()) -> CompiledBackward:
+        """Capture and compile ``call``; ``structure`` is its cache key (an Assumed key for
+        a graph traced with the gradients its last stop found None as None)."""
         recapture = cache.known(structure)
-        if recapture:
+        assumed = structure.none if isinstance(structure, Assumed) else frozenset()
+        if assumed and not recapture:
+            log.info("gradfx: capturing again with %d gradients from opaque calls as None, as the last "
+                     "backward found them", len(assumed))
+        elif recapture:
             self._count("recaptures")
             if log.isEnabledFor(logging.INFO):
                 failed = "; ".join(f"guard {e.guard.failing(call.sizes)}" for e in cache.entries(structure)[:2])
@@ -228,7 +236,7 @@ class Session:
         else:
             explain.log_structure_miss(call)
         made = pipeline.capture_call(call, self._dynamic_positions(call, structure), self.passes,
-                                     names=self.names, grad_inputs=grad_inputs,
+                                     names=self.names, grad_inputs=grad_inputs, assumed_none=assumed,
                                      compile=self._compile_with_history if call.create_graph else self._compile)
         captured, guard = made.graph, made.guard
         compiled, failed = made.compiled
@@ -243,8 +251,9 @@ class Session:
             entry.object_positions = [p for p, kind in enumerate(call.input_kinds) if kind not in ("grad", "saved")]
         if made.dynamic_positions:
             cache.dynamic_positions[structure] = made.dynamic_positions
+        entry.key = structure
         cache.put(structure, call.sizes, entry, dynamic=bool(made.size_positions))
-        self._add_fast_walker(call, structure, tensors)
+        self._add_fast_walker(call, structure.base if assumed else structure, tensors)
         return entry
 
     def _add_fast_walker(self, call, structure, tensors) -> None:
@@ -365,9 +374,14 @@ class Session:
                     # its rest at Python speed.
                     level = logging.DEBUG if stop.frontier in entry.stopped else logging.INFO
                     entry.stopped.add(stop.frontier)
-                    log.log(level, "gradfx: %s gets None where the graph traced a gradient; the rest of this "
-                            "backward runs node by node", call.node_label(frontier.node))
+                    log.log(level, "gradfx: %s gets None where the graph traced a gradient, or a gradient "
+                            "where it traced None; the rest of this backward runs node by node",
+                            call.node_label(frontier.node))
                     out = continuation.finish(call, frontier, stop, keep_graph, objects)
+                    # The next backward of this structure takes (or captures) the graph traced
+                    # with what this one found.
+                    cache.stopped(entry.key, frontier.node, frontier.checked,
+                                  frozenset(k for k in frontier.checked if stop.grads[k] is None))
                 except backends.CompileFailedAtRun as failed:  # nothing ran: use the eager backend
                     err = failed.error
                     entry.failed = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err})"

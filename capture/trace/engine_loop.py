@@ -33,6 +33,7 @@ class Frontier:
     """
 
     node: int
+    checked: tuple  # its gradients from opaque calls: those the check looks at
     saved: tuple  # positions of the saved tensors handed over (those of the nodes still to run)
     buffers: tuple  # (node index, per input: value index or None)
     deps: tuple  # per node: incoming edges not yet delivered

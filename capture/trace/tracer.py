@@ -94,9 +94,12 @@ class _Input:
 
 
 class _Tracer:
-    def __init__(self, call: BackwardCall, symbolic: SymbolicSizes | None):
+    def __init__(self, call: BackwardCall, symbolic: SymbolicSizes | None, assumed_none=frozenset()):
         self.call = call
         self.symbolic = symbolic
+        # (node index, input): gradients from opaque calls that were None when an earlier
+        # graph of this structure stopped; traced as None this time (checked at run time).
+        self.assumed_none = assumed_none
         dynamic = symbolic is not None
         self.shape_env = symbolic.shape_env if dynamic else ShapeEnv()
         self.fake_mode = FakeTensorMode(shape_env=self.shape_env, static_shapes=not dynamic)
@@ -378,14 +381,17 @@ class _Tracer:
         if type(node).__name__ in RUN_REAL or (self.call.create_graph and (
                 isinstance(node, BackwardCFunction) or type(node).__name__ in RUN_REAL_WITH_HISTORY)):
             return inputs  # it runs as the real node, which takes None
-        frontier, carry = self.frontier(i, state)
+        none = tuple(k for k in checked if (i, k) in self.assumed_none)
+        defined = tuple(k for k in checked if k not in none)
+        frontier, carry = self.frontier(i, state, checked)
         self.frontiers.append(frontier)
+        like = tuple(None if k in none else g for k, g in enumerate(inputs))
         outs = self.python_call(runtime_ops.require_gradients,
-                                (tuple(inputs), checked, len(self.frontiers) - 1, tuple(carry)),
-                                tuple(inputs), self.call.node_label(i), "check")
+                                (tuple(inputs), defined, none, len(self.frontiers) - 1, tuple(carry)),
+                                like, self.call.node_label(i), "check")
         return list(outs)
 
-    def frontier(self, i, state):
+    def frontier(self, i, state, checked):
         """The engine's state with node ``i`` part-way (its pre-hooks ran), and the
         values a continuation needs: (Frontier, those values as traced)."""
         call = self.call
@@ -405,7 +411,7 @@ class _Tracer:
 
         buffers = tuple((j, tuple(slot(g) for g in buf)) for j, buf in state.buffers.items())
         captured = tuple(slot(g) for g in state.captured)
-        frontier = engine_loop.Frontier(i, positions, buffers, tuple(state.deps),
+        frontier = engine_loop.Frontier(i, checked, positions, buffers, tuple(state.deps),
                                         tuple(j for _, j in state.queue._heap), frozenset(state.ran), captured)
         return frontier, carry
 
@@ -419,7 +425,8 @@ class _Tracer:
         before = (graph._root.prev, len(self.shape_env.guards))
         try:
             out = None
-            if self.symbolic is not None:
+            # Rules are written for tensors; with a None gradient the node itself runs (as eager).
+            if self.symbolic is not None and all(g is not None for g in grads):
                 out = apply_rule(node, grads, _SymbolicSaved(node, i, self))
             if out is None:
                 if self.symbolic is not None and type(node).__name__ in LAYOUT_ONLY_GUARDS:
@@ -587,17 +594,18 @@ def _same_sizes(got, expected) -> bool:
     return True
 
 
-def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None) -> Trace:
-    """Record ``call`` into an fx graph (sizes symbolic where ``symbolic`` says)."""
+def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None, assumed_none=frozenset()) -> Trace:
+    """Record ``call`` into an fx graph (sizes symbolic where ``symbolic`` says; the
+    formula inputs ``assumed_none`` names as None: see _Tracer.formula_inputs)."""
     start = time.perf_counter()
     if symbolic is None:
-        return _trace(call, symbolic, start)
+        return _trace(call, symbolic, start, assumed_none)
     with _plain_tensor_meta.active(), sym_memo.memoized(symbolic.shape_env):
-        return _trace(call, symbolic, start)
+        return _trace(call, symbolic, start, assumed_none)
 
 
-def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float) -> Trace:
-    t = _Tracer(call, symbolic)
+def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float, assumed_none) -> Trace:
+    t = _Tracer(call, symbolic, assumed_none)
     fakes = t.placeholders()
     grads = fakes[: len(call.roots)]
     table = {}
