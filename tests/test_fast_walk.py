@@ -113,6 +113,20 @@ class _Taken:
         fast_walk.instantiate = self.original
 
 
+class _Scaled(torch.autograd.Function):
+    """An opaque custom Function (its backward is not traced) that saves tensors."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, None  # w gets no gradient from here: the graph is traced that way
+
+
 def _scenario(name, log):
     """(parameters, step) for graphs the walker now takes: hooks of every kind, several
     roots, autograd.grad(inputs=), backward(inputs=); hooks change between steps."""
@@ -136,6 +150,8 @@ def _scenario(name, log):
         if name == "node_hooks":
             h.grad_fn.register_prehook(lambda go: log.append(("node pre", snap(go))))
             h.grad_fn.next_functions[0][0].register_hook(lambda gi, go: log.append(("node post", snap(gi))))
+        if name == "opaque_function":  # saved tensors left to the node; a None into a formula
+            h = _Scaled.apply(h, model[0].weight.sum(1).tanh().unsqueeze(0).expand(3, 8))
         out = model[2](h)
         if name == "several_roots":
             torch.autograd.backward([out.sum(), h.square().sum()])
@@ -152,12 +168,15 @@ def _scenario(name, log):
 
 
 @pytest.mark.parametrize("name", ["module_hooks", "tensor_hooks", "node_hooks", "several_roots", "grad_inputs",
-                                  "backward_inputs"])
+                                  "backward_inputs", "opaque_function"])
 def test_walker_taken_on_every_kind_of_graph(name):
+    # Toggled hooks: a second structure.  An opaque Function's None: the first backward
+    # stops, the second captures the graph traced with that None.
+    captures = 2 if name in ("tensor_hooks", "opaque_function") else 1
     with _Taken() as taken:
-        run_both(lambda log: _scenario(name, log), iterations=5,
-                 expect_captures=2 if name == "tensor_hooks" else 1, strict=True)
-    # Every cache hit went through the generated walker (3 steps of 4 for toggled hooks).
+        run_both(lambda log: _scenario(name, log), iterations=5, expect_captures=captures, strict=True)
+    # Every cache hit went through the generated walker (3 steps of 4 for toggled hooks;
+    # the walker found the graph of the step that captured the second one too).
     assert taken.count == (3 if name == "tensor_hooks" else 4)
 
 

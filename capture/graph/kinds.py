@@ -506,10 +506,21 @@ class FunctionKind:
         emit_metas(src, f"n{i}", node)
         if is_traceable(type(node)):
             src.bail_unless(f"ctx_key(n{i}) == {src.const(ctx_key(node))}")
-        emit_saved_check(src, i, node, info, call)
+        owner = call.owned[i]
+        if type(owner) is Untouched:  # left to the node, as leave_saved decided
+            src.emit(f"r{i} = n{i}._raw_saved_tensors")
+            src.bail_unless(f"not any_hooked(r{i})")
+            src.emit(f"n{i}.saved_tensors")  # eager's checks (freed, modified in place) raise here
+        elif owner is not None:  # taken over (None: clear_saved_tensors_on_access, never read)
+            emit_saved_check(src, i, node, info, call)
         src.hook_lists[i] = emit_hooks(src, i, call.records[i], None)
 
-    take = TracedKind.take
+    def take(self, src, i, node, info, call) -> None:
+        owner = call.owned[i]
+        if type(owner) is Untouched:
+            src.emit(f"owned[{i}] = Untouched(r{i})")
+        elif owner is not None:
+            emit_saved_take(src, i, node, info, call)
 
     def inputs(self, src, i, call) -> list:
         return src.saved_names.get(i, []) + [f"n{i}"]
