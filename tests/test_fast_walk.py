@@ -4,6 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from torch.utils.checkpoint import checkpoint
+
 import gradfx
 from gradfx.capture.graph import fast_walk
 from gradfx.capture.graph.walk import walk_backward
@@ -142,7 +144,13 @@ def _scenario(name, log):
         k = step_no[0]
         step_no[0] += 1
         x = torch.randn(3, 6, requires_grad=name == "grad_inputs")
-        h = model[1](model[0](x))
+        if name == "checkpoint":  # saved tensors under checkpoint's hooks: those nodes run opaque
+            h = checkpoint(lambda t: model[1](model[0](t)), x, use_reentrant=False)
+        elif name == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                h = model[1](model[0](x))
+        else:
+            h = model[1](model[0](x))
         if name == "tensor_hooks":
             h.register_hook(lambda g: log.append(("h", snap(g))))
             if k % 2:  # toggled between steps: a new structure, then back
@@ -168,7 +176,7 @@ def _scenario(name, log):
 
 
 @pytest.mark.parametrize("name", ["module_hooks", "tensor_hooks", "node_hooks", "several_roots", "grad_inputs",
-                                  "backward_inputs", "opaque_function"])
+                                  "backward_inputs", "opaque_function", "checkpoint", "save_on_cpu"])
 def test_walker_taken_on_every_kind_of_graph(name):
     # Toggled hooks: a second structure.  An opaque Function's None: the first backward
     # stops, the second captures the graph traced with that None.

@@ -24,7 +24,7 @@ from functools import partial
 from . import distributed, hooks
 from .kinds import (ACCUMULATE, ctx_key, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
                     function_materializes, kind_of, value_key)
-from .saved import ForeignOwned, SavedTensors, Untouched, _unpack
+from .saved import ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks
 from .walk import BackwardCall, root_edge
 
 
@@ -56,8 +56,8 @@ class _Source:
 def generate(call: BackwardCall, tensors, structure):
     """A walker for ``call``'s structure, or None if this kind of call has none."""
     records = call.records
-    if any(type(o) is ForeignOwned for o in call.owned) or any(t.grad_fn is None for t in tensors):
-        return None  # saved tensors under the user's hooks; leaf roots
+    if any(t.grad_fn is None for t in tensors):
+        return None  # leaf roots
     src = _Source()
     nodes = call.nodes
     n = len(nodes)
@@ -154,6 +154,7 @@ def generate(call: BackwardCall, tensors, structure):
     code = "def fast_walk(tensors, grads, inputs, accumulate):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, ctx_key=ctx_key,
                      materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched,
+                     ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
                      partial=partial,
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,

@@ -463,12 +463,16 @@ class TracedKind:
     def check(self, src, i, node, info, call) -> None:
         emit_metas(src, f"n{i}", node)
         emit_values(src, f"n{i}", node, info)
-        if info.raw_saved:
+        if type(call.owned[i]) is ForeignOwned:  # under the user's saved-tensor hooks: opaque
+            src.bail_unless(f"foreign_hooks(n{i}, {src.const(info.raw_saved)})")
+        elif info.raw_saved:
             emit_saved_check(src, i, node, info, call)
         src.hook_lists[i] = emit_hooks(src, i, call.records[i], None)
 
     def take(self, src, i, node, info, call) -> None:
-        if info.raw_saved:
+        if type(call.owned[i]) is ForeignOwned:
+            src.emit(f"owned[{i}] = ForeignOwned(n{i})")
+        elif info.raw_saved:
             emit_saved_take(src, i, node, info, call)
 
     def inputs(self, src, i, call) -> list:
@@ -511,6 +515,8 @@ class FunctionKind:
             src.emit(f"r{i} = n{i}._raw_saved_tensors")
             src.bail_unless(f"not any_hooked(r{i})")
             src.emit(f"n{i}.saved_tensors")  # eager's checks (freed, modified in place) raise here
+        elif type(owner) is ForeignOwned:
+            src.bail_unless(f"foreign_hooks(n{i}, {src.const(info.raw_saved)})")
         elif owner is not None:  # taken over (None: clear_saved_tensors_on_access, never read)
             emit_saved_check(src, i, node, info, call)
         src.hook_lists[i] = emit_hooks(src, i, call.records[i], None)
@@ -519,6 +525,8 @@ class FunctionKind:
         owner = call.owned[i]
         if type(owner) is Untouched:
             src.emit(f"owned[{i}] = Untouched(r{i})")
+        elif type(owner) is ForeignOwned:
+            src.emit(f"owned[{i}] = ForeignOwned(n{i})")
         elif owner is not None:
             emit_saved_take(src, i, node, info, call)
 

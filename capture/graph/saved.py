@@ -241,10 +241,9 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     # an earlier run's) decides for the whole node, and a variable taken over by then
     # would be left with an unpack hook into an owner nobody keeps.
     raws = [getattr(node, raw_attr) for raw_attr in raw_attrs]
-    for raw, attr in zip(raws, tensor_attrs):
-        for var in (raw if type(raw) is tuple else (raw,)):
-            if var.unpack_hook is not None:
-                return _adopt(node, var, attr, raw_attrs, tensor_attrs)
+    hooked = first_hooked(raws, tensor_attrs)
+    if hooked is not None:
+        return _adopt(node, *hooked, raw_attrs, tensor_attrs)
     # Unpacking without hooks runs eager's check that the tensor was not modified in
     # place since it was saved (and raises eager's error); once hooks are registered
     # the engine no longer checks.  Every variable is checked before any is taken: a
@@ -267,6 +266,22 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
             tensors.append(value)
     owned.seal(tuple(mask), Origin.of(node, tensor_attrs, grouped))
     return owned, owned.mask, tensors
+
+
+def first_hooked(raws, tensor_attrs):
+    """(variable, its ``_saved_*`` attribute): the first saved variable with an unpack hook,
+    which decides whose the node's saved tensors are (take_saved); None if none has one."""
+    for raw, attr in zip(raws, tensor_attrs):
+        for var in (raw if type(raw) is tuple else (raw,)):
+            if var.unpack_hook is not None:
+                return var, attr
+    return None
+
+
+def foreign_hooks(node, raw_attrs: tuple) -> bool:
+    """Would take_saved find the node's saved tensors under the user's hooks (ForeignHooks)?"""
+    hooked = first_hooked([getattr(node, attr) for attr in raw_attrs], raw_attrs)
+    return hooked is not None and not is_ours(hooked[0].unpack_hook) and not node.metadata.get(RELEASED_KEY)
 
 
 def _adopt(node, var, attr, raw_attrs, tensor_attrs):
