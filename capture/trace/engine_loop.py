@@ -38,7 +38,6 @@ class Frontier:
     buffers: tuple  # (node index, per input: value index or None)
     deps: tuple  # per node: incoming edges not yet delivered
     heap: tuple  # node indices in the ready queue's heap order
-    ran: frozenset  # nodes taken from the queue (node ``node`` among them)
     captured: tuple  # autograd.grad: per input, value index or None
 
 
@@ -53,7 +52,7 @@ class EngineState:
         self.deps = deps  # node index -> incoming edges not yet delivered
         self.queue = queue
         self.captured = captured  # autograd.grad: the gradient per input (None until captured)
-        self.ran = ran  # nodes taken from the queue
+        self.ran = ran  # nodes taken from the queue (the tracer's frontiers read it)
         records = call.records
         self.needed = None if call.outputs is None else [r.runs for r in records]
         self.should_run = None
@@ -69,7 +68,7 @@ class EngineState:
         # The heap as it was: the walk guarantees the same order of sequence numbers.
         queue._heap = [(call.seq[j], j) for j in frontier.heap]
         return cls(call, {j: [value(k) for k in slots] for j, slots in frontier.buffers}, list(frontier.deps),
-                   queue, [value(k) for k in frontier.captured], set(frontier.ran))
+                   queue, [value(k) for k in frontier.captured], set())
 
     @classmethod
     def at_start(cls, r, call, grads) -> "EngineState":

@@ -412,7 +412,7 @@ class _Tracer:
         buffers = tuple((j, tuple(slot(g) for g in buf)) for j, buf in state.buffers.items())
         captured = tuple(slot(g) for g in state.captured)
         frontier = engine_loop.Frontier(i, checked, positions, buffers, tuple(state.deps),
-                                        tuple(j for _, j in state.queue._heap), frozenset(state.ran), captured)
+                                        tuple(j for _, j in state.queue._heap), captured)
         return frontier, carry
 
     # -- running one node ----------------------------------------------------
