@@ -311,3 +311,15 @@ def test_the_graph_follows_what_the_last_backward_found(continuations):
         assert_same([x.grad, w.grad], list(expected))
     assert continuations[0] == 4
     assert session.stats["captures"] == 2 and session.stats["recaptures"] == 0
+
+
+def test_a_node_whose_saved_tensor_the_graph_never_reads_runs_for_real(continuations):
+    # grad() of x only: the traced graph drops w's formula and never reads MulBackward0's
+    # saved x, yet the real node, run after the stop, unpacks it.
+    def program(log):
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        z = RetNone.apply(x * w).sum() + (x * 2).sum()
+        return list(torch.autograd.grad(z, [x]))
+    _compare(program)
+    assert continuations[0] == 1

@@ -18,6 +18,8 @@ are eager's; only the speed is that of Python, node by node.
 
 from __future__ import annotations
 
+import weakref
+
 from torch.autograd.function import BackwardCFunction
 
 from ..graph.kinds import ACCUMULATE, type_info
@@ -27,30 +29,60 @@ from . import hook_ops, runtime_ops
 
 
 def finish(call, frontier: engine_loop.Frontier, stop: runtime_ops.Diverged, keep_graph: bool,
-           objects: dict) -> tuple:
-    """Run the rest of ``call`` from where its graph stopped; returns the captured gradients.
-    ``objects``: the call's runtime inputs that are not tensors (hooks, nodes, leaves), by position."""
-    by_pos = dict(objects)
-    by_pos.update(zip(frontier.saved, stop.carry))
-    runner = _Runner(call, by_pos, keep_graph)
+           kept: "Kept") -> tuple:
+    """Run the rest of ``call`` from where its graph stopped; returns the captured gradients."""
+    runner = _Runner(call, kept, keep_graph)
     state = engine_loop.EngineState.at_frontier(call, frontier, stop.carry)
     return tuple(engine_loop.drain(runner, state, resume=(frontier.node, list(stop.grads))))
+
+
+class Positions:
+    """Where a graph that may stop finds what a continuation needs, among its call's inputs."""
+
+    __slots__ = ("objects", "saved", "unread")
+
+    def __init__(self, call, graph, n_sizes: int, opaque: frozenset):
+        kinds = call.input_kinds
+        self.objects = [p for p, kind in enumerate(kinds) if kind not in ("grad", "saved")]
+        self.saved = [p for p, kind in enumerate(kinds) if kind == "saved"]
+        # Saved tensors of a traced node that no op of the graph reads (its formula for an
+        # output nobody needs was dropped): freed as the graph starts, yet the real node
+        # unpacks them.  (A node run opaquely keeps its own until it ran: ``opaque``.)
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"][n_sizes:]
+        self.unread = [p for p in self.saved if not placeholders[p].users and call.input_owner[p] not in opaque]
+
+
+class Kept:
+    """What the session keeps of a call's inputs while a graph that may stop runs: the
+    hooks, nodes, leaves and retained tensors, and a weak reference to each saved
+    tensor.  The graph frees each saved tensor at its last use, so those of the nodes
+    still to run are alive when it stops; the unread ones are kept here."""
+
+    __slots__ = ("objects", "weak", "unread")
+
+    def __init__(self, inputs: list, positions: Positions):
+        self.objects = {p: inputs[p] for p in positions.objects}
+        self.weak = {p: weakref.ref(inputs[p]) for p in positions.saved}
+        self.unread = [inputs[p] for p in positions.unread]
+
+    def saved_of(self, call, i: int) -> list:
+        tensors = [self.weak[p]() for p in call.records[i].saved]
+        if any(t is None for t in tensors):  # only a pass that moved a use before the stop
+            raise RuntimeError(f"gradfx: the graph stopped (a gradient turned out None) after freeing a saved "
+                               f"tensor {call.node_label(i)} still needs; run this backward without custom passes "
+                               "or on the eager engine")
+        return tensors
 
 
 class _Runner:
     """engine_loop's steps, run for real on the live nodes."""
 
-    def __init__(self, call, by_pos: dict, keep_graph: bool):
+    def __init__(self, call, kept: "Kept", keep_graph: bool):
         self.call = call
-        self.by_pos = by_pos  # input position -> runtime input (hooks, nodes, leaves, saved tensors)
+        self.by_pos = kept.objects  # input position -> hook, node, leaf or retained tensor
+        self.kept = kept
         self.kinds = list(call.kinds)  # every node left runs as the real node
         self.keep_graph = keep_graph
-        # Saved tensors of nodes the graph would have traced: gradfx owns them and, without
-        # retain_graph, released its owner before the graph ran (the graph held them).
-        self.saved: dict = {}
-        for p in sorted(by_pos):  # positions of one owner's tensors follow its order
-            if call.input_kinds[p] == "saved":
-                self.saved.setdefault(call.input_owner[p], []).append(by_pos[p])
 
     def step(self, state, i):
         engine_loop.run_one(self, state, i)
@@ -78,9 +110,10 @@ class _Runner:
     def run_opaque(self, i, node, grads, node_input):
         metas = tuple(None if e is None else self.meta(*e) for e in self.call.records[i].edges)
         owner = self.call.owned[i]
-        values = self.saved.pop(i, None)
-        if values is not None and isinstance(owner, SavedTensors) and owner.released:
-            owner.tensors.extend(values)  # in place: the saved variables' pack hooks hold this list
+        if isinstance(owner, SavedTensors) and owner.released:
+            # Without retain_graph gradfx released its owner before the graph ran (the graph
+            # held the tensors): they are given back for the real node to unpack.
+            owner.tensors.extend(self.kept.saved_of(self.call, i))  # in place: the pack hooks hold it
             owner.released = False
         run = runtime_ops.call_backward if isinstance(node, BackwardCFunction) else runtime_ops.call_node
         return list(run(node, metas, (False,) * len(metas), *grads))

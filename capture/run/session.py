@@ -62,7 +62,7 @@ class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
     __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
-                 "verified", "failed", "output_specs", "frontiers", "stopped", "object_positions", "key")
+                 "verified", "failed", "output_specs", "frontiers", "stopped", "kept", "key")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
                  guard, size_positions=(), failed=None, output_specs=None, frontiers=()):
@@ -88,7 +88,7 @@ class CompiledBackward:
         # backward runs node by node (run.continuation).
         self.frontiers = frontiers
         self.stopped: set = set()  # frontiers where a backward stopped (logged once each)
-        self.object_positions = ()  # where frontiers: the inputs that are not tensors (set by the capture)
+        self.kept = None  # where frontiers: continuation.Positions (set by the capture)
         self.key = None  # its cache key (set by the capture)
 
 
@@ -248,7 +248,8 @@ class Session:
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
                                  guard, made.size_positions, failed, specs, made.frontiers)
         if made.frontiers:
-            entry.object_positions = [p for p, kind in enumerate(call.input_kinds) if kind not in ("grad", "saved")]
+            entry.kept = continuation.Positions(call, captured.graph_module.graph, len(made.size_positions),
+                                                release_after)
         if made.dynamic_positions:
             cache.dynamic_positions[structure] = made.dynamic_positions
         entry.key = structure
@@ -345,9 +346,8 @@ class Session:
 
     def _run(self, entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
         inputs = call.inputs
-        # Where the graph may stop, the rest of the backward needs the hooks, nodes and
-        # leaves (the graph hands over the tensors it still holds).
-        objects = {p: inputs[p] for p in entry.object_positions} if entry.frontiers else None
+        # Where the graph may stop, the rest of the backward needs what the graph held.
+        kept = continuation.Kept(inputs, entry.kept) if entry.frontiers else None
         if entry.size_positions:
             sizes = call.sizes
             inputs = [sizes[p] for p in entry.size_positions] + inputs
@@ -377,7 +377,7 @@ class Session:
                     log.log(level, "gradfx: %s gets None where the graph traced a gradient, or a gradient "
                             "where it traced None; the rest of this backward runs node by node",
                             call.node_label(frontier.node))
-                    out = continuation.finish(call, frontier, stop, keep_graph, objects)
+                    out = continuation.finish(call, frontier, stop, keep_graph, kept)
                     # The next backward of this structure takes (or captures) the graph traced
                     # with what this one found.
                     cache.stopped(entry.key, frontier.node, frontier.checked,

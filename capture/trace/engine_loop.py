@@ -26,17 +26,16 @@ class Frontier:
     """The engine's state at one point of a captured graph where the graph may stop
     (a ``require_gradients`` call), for the continuation to go on from.
 
-    Gradients are named by their index in the values the graph hands over: first
-    the saved tensors at ``saved`` (positions among the graph's inputs), then the
-    buffered and captured gradients.  Node ``node`` is part-way: its pre-hooks
-    ran, its gradients come with the call.
+    Gradients are named by their index in the values the graph hands over (the
+    buffered, then the captured ones).  Node ``node`` is part-way: its pre-hooks
+    ran, its gradients come with the call.  Only what the frontier holds is kept,
+    so that a graph with many such points stays small.
     """
 
     node: int
     checked: tuple  # its gradients from opaque calls: those the check looks at
-    saved: tuple  # positions of the saved tensors handed over (those of the nodes still to run)
     buffers: tuple  # (node index, per input: value index or None)
-    deps: tuple  # per node: incoming edges not yet delivered
+    deps: tuple  # (node index, incoming edges not yet delivered) where fewer than at the start
     heap: tuple  # node indices in the ready queue's heap order
     captured: tuple  # autograd.grad: per input, value index or None
 
@@ -67,7 +66,10 @@ class EngineState:
         queue = ReadyQueue()
         # The heap as it was: the walk guarantees the same order of sequence numbers.
         queue._heap = [(call.seq[j], j) for j in frontier.heap]
-        return cls(call, {j: [value(k) for k in slots] for j, slots in frontier.buffers}, list(frontier.deps),
+        deps = [r.deps for r in call.records]  # those of nodes that ran are never read again
+        for j, d in frontier.deps:
+            deps[j] = d
+        return cls(call, {j: [value(k) for k in slots] for j, slots in frontier.buffers}, deps,
                    queue, [value(k) for k in frontier.captured], set())
 
     @classmethod

@@ -393,15 +393,11 @@ class _Tracer:
 
     def frontier(self, i, state, checked):
         """The engine's state with node ``i`` part-way (its pre-hooks ran), and the
-        values a continuation needs: (Frontier, those values as traced)."""
+        gradients the graph holds then: (Frontier, those gradients as traced).  The
+        runtime inputs a continuation needs the session keeps (run.continuation), so
+        what a stop hands over grows with the frontier, not with the graph."""
         call = self.call
-        values = self.placeholder_values
-        # The saved tensors of the nodes still to run (node i's among them): the graph
-        # frees each at its last use.  (Hooks, leaves and nodes the session keeps.)
-        done = state.ran - {i}
-        positions = tuple(p for p, (kind, owner) in enumerate(zip(call.input_kinds, call.input_owner))
-                          if kind == "saved" and owner not in done)
-        carry = [values[p] for p in positions]
+        carry = []
 
         def slot(g):
             if g is None:
@@ -411,8 +407,8 @@ class _Tracer:
 
         buffers = tuple((j, tuple(slot(g) for g in buf)) for j, buf in state.buffers.items())
         captured = tuple(slot(g) for g in state.captured)
-        frontier = engine_loop.Frontier(i, checked, positions, buffers, tuple(state.deps),
-                                        tuple(j for _, j in state.queue._heap), captured)
+        deps = tuple((j, d) for j, d in enumerate(state.deps) if d != call.records[j].deps and j not in state.ran)
+        frontier = engine_loop.Frontier(i, checked, buffers, deps, tuple(j for _, j in state.queue._heap), captured)
         return frontier, carry
 
     # -- running one node ----------------------------------------------------
