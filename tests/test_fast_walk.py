@@ -244,3 +244,26 @@ def test_walker_rejects_an_undefined_saved_tensor_where_one_was_saved():
                 log.append(("grad", snap(y.grad)))
         return [y], step
     run_both(build, iterations=2, expect_captures=2, strict=True)
+
+
+def test_walker_looks_up_hooked_nodes_first_and_probes_no_other(monkeypatch):
+    # Node hooks are invisible on the node: the walker probes nodes for hook dicts until it
+    # has found every live one.  Looking up the nodes that had hooks first, a cached
+    # backward probes just those (one probe per dict here), not every node after them.
+    from gradfx.capture.graph import hooks
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
+    model[0].register_full_backward_hook(lambda m, gi, go: None)
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(2):
+        with gradfx.compiled_autograd():
+            model(x).sum().backward()
+    probes = []
+    original = hooks._probe_node
+    monkeypatch.setattr(hooks, "_probe_node", lambda node: (probes.append(node), original(node))[1])
+    loss = model(x).sum()
+    dicts = len(hooks._node_dicts)
+    with _Taken() as taken, gradfx.compiled_autograd():
+        loss.backward()
+    assert taken.count == 1
+    assert len(probes) <= dicts

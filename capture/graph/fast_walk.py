@@ -37,6 +37,8 @@ class _Source:
         self._const_names: dict[int, str] = {}
         self.saved_names: dict[int, list] = {}  # node index -> variables of its saved tensors
         self.hook_lists: dict[int, str | None] = {}  # node index -> variable of its hook inputs
+        self.hooked: list[str] = []  # hook lookups of nodes that had hooks (see hook_check)
+        self.unhooked: list[str] = []
 
     def const(self, value) -> str:
         name = self._const_names.get(id(value))
@@ -48,6 +50,12 @@ class _Source:
 
     def emit(self, line: str) -> None:
         self.lines.append("    " + line)
+
+    def hook_check(self, hooked: bool, *lines: str) -> None:
+        """Hook lookups run after every other check, those of the nodes that had hooks
+        first: a lookup that finds every live node-hook dict spares the rest their probe
+        (hooks.WalkState), and nothing in the first pass depends on their order."""
+        (self.hooked if hooked else self.unhooked).extend("    " + line for line in lines)
 
     def bail_unless(self, cond: str) -> None:
         self.emit(f"if not ({cond}): return None")
@@ -136,6 +144,8 @@ def generate(call: BackwardCall, tensors, structure):
         spec, info = kind_of(node)
         specs[i] = (spec, info)
         spec.check(src, i, node, info, call)
+
+    src.lines += src.hooked + src.unhooked
 
     # Pass 2: every check passed; take the saved tensors over, gather the inputs.
     src.emit(f"owned = [None] * {n}")

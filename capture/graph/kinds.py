@@ -398,11 +398,10 @@ def emit_hooks(src, i: int, rec: NodeRecord, var: str | None) -> str | None:
         # The common case stays cheap: no hook anywhere, a leaf without tensor hooks.
         quiet = "not active" if var is None else (f"(not active and {var}._backward_hooks is None "
                                                   f"and {var}._post_accumulate_grad_hooks is None)")
-        src.bail_unless(f"{quiet} or {call} is None")
+        src.hook_check(False, f"if not ({quiet} or {call} is None): return None")
         return None
-    src.emit(f"h = {call}")
-    src.bail_unless(f"h is not None and h.key() == {src.const(expected)}")
-    src.emit(f"h{i} = h.inputs()")
+    src.hook_check(True, f"h = {call}", f"if not (h is not None and h.key() == {src.const(expected)}): return None",
+                   f"h{i} = h.inputs()")
     return f"h{i}"
 
 
