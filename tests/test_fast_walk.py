@@ -251,6 +251,9 @@ def test_walker_looks_up_hooked_nodes_first_and_probes_no_other(monkeypatch):
     # has found every live one.  Looking up the nodes that had hooks first, a cached
     # backward probes just those (one probe per dict here), not every node after them.
     from gradfx.capture.graph import hooks
+    # Hook dicts of other live graphs (earlier tests') would count as not found: then every
+    # node is probed, rightly.  This test's graph gets a registry of its own.
+    monkeypatch.setattr(hooks, "_node_dicts", {})
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
     model[0].register_full_backward_hook(lambda m, gi, go: None)
