@@ -93,6 +93,8 @@ class GraphCache:
 
     def key(self, structure):
         """The key to look ``structure`` up by: its Assumed key where its graph stopped."""
+        if not self.assumed_none:  # every backward asks: no hashing in the common case
+            return structure
         none = self.assumed_none.get(structure)
         return structure if none is None else Assumed(structure, none)
 

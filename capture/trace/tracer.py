@@ -12,7 +12,6 @@ order, so replaying the graph is bitwise eager.
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from dataclasses import dataclass
 
@@ -377,10 +376,8 @@ class _Tracer:
         checked = tuple(k for k, g in enumerate(inputs) if g is not None and id(g) in self.maybe_none)
         if not checked:
             return inputs
-        node = self.call.nodes[i]
-        if type(node).__name__ in RUN_REAL or (self.call.create_graph and (
-                isinstance(node, BackwardCFunction) or type(node).__name__ in RUN_REAL_WITH_HISTORY)):
-            return inputs  # it runs as the real node, which takes None
+        if self.runs_real(self.call.nodes[i]):
+            return inputs  # the real node takes None
         none = tuple(k for k in checked if (i, k) in self.assumed_none)
         defined = tuple(k for k in checked if k not in none)
         frontier, carry = self.frontier(i, state, checked)
@@ -412,9 +409,17 @@ class _Tracer:
         return frontier, carry
 
     # -- running one node ----------------------------------------------------
-    def run_traced(self, i, node, grads):
+    def runs_real(self, node) -> bool:
+        """Does the node run as itself, never traced?  Builtin nodes ``rules`` lists, and
+        with create_graph a custom Function's backward (tracing would lose what it builds
+        for a further backward: Functions it applies, once_differentiable)."""
+        if isinstance(node, BackwardCFunction):
+            return self.call.create_graph
         name = type(node).__name__
-        if name in RUN_REAL or (self.call.create_graph and name in RUN_REAL_WITH_HISTORY):
+        return name in RUN_REAL or (self.call.create_graph and name in RUN_REAL_WITH_HISTORY)
+
+    def run_traced(self, i, node, grads):
+        if self.runs_real(node):
             log.debug("gradfx: %s runs opaque", self.call.node_label(i))
             return None
         graph = self.tracer.graph
@@ -436,11 +441,9 @@ class _Tracer:
         return out if type(out) is tuple else (out,)
 
     def run_function(self, i, ctx, grads):
-        """Trace a traceable custom Function's backward; None if it cannot run on fakes.
-
-        With create_graph its backward runs as itself: tracing would lose what it
-        builds for a further backward (Functions it applies, once_differentiable)."""
-        if self.call.create_graph:
+        """Trace a traceable custom Function's backward; None if it cannot run on fakes
+        (or runs as itself: runs_real)."""
+        if self.runs_real(ctx):
             return None
         graph = self.tracer.graph
         before = (graph._root.prev, len(self.shape_env.guards))
@@ -629,7 +632,6 @@ def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float, ass
     _group_getitems(t.tracer.graph)
     if not call.create_graph:  # under grad mode AccumulateGrad never steals
         _mark_steals(t.tracer.graph)
-    _mark_required_outputs(t.tracer.graph)
     t.tracer.graph._gradfx_create_graph = call.create_graph
     return Trace(t.tracer.graph, t.opaque, time.perf_counter() - start, t.frontiers)
 
@@ -665,22 +667,6 @@ def _group_getitems(graph: fx.Graph) -> None:
     """
     for node in list(graph.nodes):
         unpack_right_after(node)
-
-
-def _mark_required_outputs(graph: fx.Graph) -> None:
-    """Tell each opaque call which of its outputs a traced formula consumes.
-
-    Those must not come back None at run time (the traced ops need a tensor); the
-    other consumers (accumulation, hooks, buffer adds, captures) handle None.
-    """
-    for fn in (runtime_ops.call_node, runtime_ops.call_backward):
-        for node in graph.find_nodes(op="call_function", target=fn):
-            flags = list(node.args[2])
-            for user in node.users:
-                if user.target is operator.getitem:
-                    k = user.args[1]
-                    flags[k] = any(isinstance(u.target, torch._ops.OpOverload) for u in user.users)
-            node.update_arg(2, tuple(flags))
 
 
 def _mark_steals(graph: fx.Graph) -> None:
