@@ -133,7 +133,14 @@ def _call(fn, gm, example_inputs):
 
 
 def _runtime_cause(err: BaseException) -> BaseException | None:
-    """The first error in ``err``'s context that dynamo did not raise, if any."""
+    """The first error in ``err``'s context that dynamo did not raise, if any.
+
+    None for a failure to run the graph on fake tensors while tracing (whatever
+    errors it wraps, nothing real ran then)."""
+    import sys
+    exc = sys.modules["torch._dynamo.exc"]
+    if isinstance(err, exc.TorchRuntimeError):
+        return None
     seen = set()
     cause = err.__context__
     while cause is not None and id(cause) not in seen:

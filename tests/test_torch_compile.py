@@ -279,3 +279,44 @@ def test_accumulator_hooks_read_grad_under_a_compiled_forward():
     assert session.stats["fallbacks"] == 0
     for p, q in zip(eager.parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+class DropsGradient(torch.autograd.Function):
+    """A custom Function whose backward gives its input no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_a_custom_backward_returning_none_runs_as_in_eager():
+    # Traced before its backward was seen, the first graph takes the gradient as a tensor;
+    # dynamo then inlines the backward, finds None, and fails to compile that graph (the
+    # eager backend runs it, stopping where the None appears).  The graph captured next,
+    # with that gradient None, compiles.
+    def step(model, x):
+        h = model(x)
+        (DropsGradient.apply(h.exp()).sin().sum() + h.sum()).backward()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    eager = copy.deepcopy(model)
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    backend = Inspecting("aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradfx.compiled_autograd(backend=backend) as session:
+            for x in xs:
+                step(model, x)
+    for x in xs:
+        step(eager, x)
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(q.grad, p.grad)
+    messages = [str(w.message) for w in caught if issubclass(w.category, gradfx.FallbackWarning)]
+    assert len(messages) == 1 and "failed to compile" in messages[0] and "got None" in messages[0]
+    assert "\n" not in messages[0]  # dynamo's advice goes to the log, not the warning
+    assert session.stats["captures"] == 2 and session.stats["cache_hits"] == 1

@@ -311,7 +311,7 @@ class Session:
             if not callable(compiled):
                 raise TypeError(f"it returned {type(compiled).__name__} ({_short(compiled)}), not a callable")
         except Exception as err:
-            failed = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err})"
+            failed = self._failure(err)
             self._backend_failed(failed, err)
             compiled = backends.compile_with(backends.builtin.eager, gm, example_inputs)
         seconds = time.perf_counter() - start
@@ -336,13 +336,39 @@ class Session:
 
     def _backend_failed(self, reason: str, err) -> None:
         """Strict: raise Unsupported.  Otherwise warn (once per block) that the eager
-        backend stands in."""
+        backend stands in.  The whole error goes to the log at DEBUG."""
+        if err is not None:
+            log.debug("gradfx: %s", reason, exc_info=err)
         if self.strict:
             raise Unsupported(reason) from err
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"gradfx: {reason}; running the graph on the eager backend", FallbackWarning,
                           stacklevel=_user_stacklevel())
+
+    def _call_compiled(self, entry: CompiledBackward, inputs: list):
+        try:
+            return _call_entry(entry, inputs)
+        except backends.CompileFailedAtRun as failed:  # nothing ran: the eager backend runs it
+            err = failed.error
+            entry.failed = self._failure(err)
+            self._backend_failed(entry.failed, err)
+            entry.fn = backends.compile_with(backends.builtin.eager, entry.captured.graph_module, [])
+            entry.boxed = getattr(entry.fn, "_boxed", None)
+            return _call_entry(entry, inputs)
+
+    def _failure(self, err: BaseException) -> str:
+        """What a warning says of a backend that failed: the error's first line (dynamo's
+        go on with links and advice that belong in the log)."""
+        def first_line(e):
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            return f"{type(e).__name__}: {lines[0] if lines else ''}"
+        root, seen = err, {id(err)}
+        while root.__context__ is not None and id(root.__context__) not in seen:  # what dynamo wraps
+            root = root.__context__
+            seen.add(id(root))
+        why = first_line(err) + ("" if root is err else f", from {first_line(root)}")
+        return f"backend {self.backend_name!r} failed to compile ({why})"
 
     def _run(self, entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
         inputs = call.inputs
@@ -367,7 +393,7 @@ class Session:
             # The engine's grad mode for a backward: on only when it records history.
             with torch.set_grad_enabled(call.create_graph), task, routing.running_backward():
                 try:
-                    out = _call_entry(entry, inputs)
+                    out = self._call_compiled(entry, inputs)
                 except Diverged as stop:
                     frontier = entry.frontiers[stop.frontier]
                     # Once per graph and place at INFO: a backward that stops each time runs
@@ -382,13 +408,6 @@ class Session:
                     # with what this one found.
                     cache.stopped(entry.key, frontier.node, frontier.checked,
                                   frozenset(k for k in frontier.checked if stop.grads[k] is None))
-                except backends.CompileFailedAtRun as failed:  # nothing ran: use the eager backend
-                    err = failed.error
-                    entry.failed = f"backend {self.backend_name!r} failed to compile ({type(err).__name__}: {err})"
-                    self._backend_failed(entry.failed, err)
-                    entry.fn = backends.compile_with(backends.builtin.eager, entry.captured.graph_module, [])
-                    entry.boxed = getattr(entry.fn, "_boxed", None)
-                    out = _call_entry(entry, inputs)
         except WrongGradient as err:
             raise RuntimeError(f"gradfx: the graph compiled by backend {self.backend_name!r} {err}; the backend "
                                "must return what the graph it was given computes") from err
