@@ -302,3 +302,24 @@ def test_public_names():
                  "list_backends", "list_passes", "Unsupported", "FallbackWarning", "CapturedGraph"]:
         assert hasattr(gradfx, name)
     assert {"eager", "inductor", "aot_eager"} <= set(gradfx.list_backends())
+
+
+def test_batched_gradients_fall_back_to_the_eager_engine():
+    # autograd.grad(is_grads_batched=True) and vectorized jacobians run the backward under
+    # vmap with batched gradients: the eager engine runs them, with one clear warning.
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = (x @ w).tanh()
+    seeds = torch.eye(12).reshape(12, 3, 4)
+    expected = torch.autograd.grad(y, (x, w), seeds, is_grads_batched=True, retain_graph=True)
+    with gradfx.compiled_autograd() as s:
+        with pytest.warns(gradfx.FallbackWarning, match="is_grads_batched"):
+            got = torch.autograd.grad(y, (x, w), seeds, is_grads_batched=True, retain_graph=True)
+        jac = torch.autograd.functional.jacobian(lambda v: (v @ w).tanh(), x.detach(), vectorize=True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert torch.equal(jac, torch.autograd.functional.jacobian(lambda v: (v @ w).tanh(), x.detach(), vectorize=True))
+    assert s.stats["fallbacks"] == 2 and s.stats["captures"] == 0
+    with gradfx.compiled_autograd(strict=True):
+        with pytest.raises(gradfx.Unsupported, match="batched gradients"):
+            torch.autograd.grad(y, x, seeds, is_grads_batched=True, retain_graph=True)

@@ -19,6 +19,8 @@ import warnings
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes
+from torch._C._functorch import is_functorch_wrapped_tensor as _is_functorch_wrapped
+from torch._C._functorch import is_legacy_batchedtensor as _is_legacy_batched
 
 from ... import backends, reorder
 from ...backends.identity import Key, callable_key
@@ -178,6 +180,8 @@ class Session:
                 raise _Fallback(f"a tensor subclass ({type(t).__name__})")
         if any(g is None for g in grad_tensors):
             raise _Fallback("a root without a gradient")  # eager raises the error
+        if any(_is_functorch_wrapped(g) or _is_legacy_batched(g) for g in grad_tensors):
+            raise _Fallback("batched gradients (autograd.grad with is_grads_batched=True, or vmap)")
         if create_graph and accumulate_grad:
             _warn_like_eager_once(engine)
         config = self._config_key if not create_graph else self._config_key_with_history
