@@ -18,6 +18,7 @@ are eager's; only the speed is that of Python, node by node.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 from torch.autograd.function import BackwardCFunction
@@ -39,17 +40,31 @@ def finish(call, frontier: engine_loop.Frontier, stop: runtime_ops.Diverged, kee
 class Positions:
     """Where a graph that may stop finds what a continuation needs, among its call's inputs."""
 
-    __slots__ = ("objects", "saved", "unread")
+    __slots__ = ("objects", "saved", "saved_index", "unread", "take_objects", "take_saved")
 
     def __init__(self, call, graph, n_sizes: int, opaque: frozenset):
         kinds = call.input_kinds
         self.objects = [p for p, kind in enumerate(kinds) if kind not in ("grad", "saved")]
         self.saved = [p for p, kind in enumerate(kinds) if kind == "saved"]
+        self.saved_index = {p: k for k, p in enumerate(self.saved)}
         # Saved tensors of a traced node that no op of the graph reads (its formula for an
         # output nobody needs was dropped): freed as the graph starts, yet the real node
         # unpacks them.  (A node run opaquely keeps its own until it ran: ``opaque``.)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"][n_sizes:]
         self.unread = [p for p in self.saved if not placeholders[p].users and call.input_owner[p] not in opaque]
+        # Every backward of such a graph keeps these: picked in C, not item by item.
+        self.take_objects = _picker(self.objects)
+        self.take_saved = _picker(self.saved)
+
+
+def _picker(positions: list):
+    """list -> tuple of its items at ``positions`` (itemgetter, which returns a lone item bare)."""
+    if not positions:
+        return lambda values: ()
+    if len(positions) == 1:
+        (p,) = positions
+        return lambda values: (values[p],)
+    return operator.itemgetter(*positions)
 
 
 class Kept:
@@ -58,15 +73,21 @@ class Kept:
     tensor.  The graph frees each saved tensor at its last use, so those of the nodes
     still to run are alive when it stops; the unread ones are kept here."""
 
-    __slots__ = ("objects", "weak", "unread")
+    __slots__ = ("positions", "objects", "weak", "unread")
 
     def __init__(self, inputs: list, positions: Positions):
-        self.objects = {p: inputs[p] for p in positions.objects}
-        self.weak = {p: weakref.ref(inputs[p]) for p in positions.saved}
+        self.positions = positions
+        self.objects = positions.take_objects(inputs)
+        self.weak = list(map(weakref.ref, positions.take_saved(inputs)))
         self.unread = [inputs[p] for p in positions.unread]
 
+    def by_position(self) -> dict:
+        """Input position -> hook, node, leaf or retained tensor."""
+        return dict(zip(self.positions.objects, self.objects))
+
     def saved_of(self, call, i: int) -> list:
-        tensors = [self.weak[p]() for p in call.records[i].saved]
+        index = self.positions.saved_index
+        tensors = [self.weak[index[p]]() for p in call.records[i].saved]
         if any(t is None for t in tensors):  # only a pass that moved a use before the stop
             raise RuntimeError(f"gradfx: the graph stopped (a gradient turned out None) after freeing a saved "
                                f"tensor {call.node_label(i)} still needs; run this backward without custom passes "
@@ -79,7 +100,7 @@ class _Runner:
 
     def __init__(self, call, kept: "Kept", keep_graph: bool):
         self.call = call
-        self.by_pos = kept.objects  # input position -> hook, node, leaf or retained tensor
+        self.by_pos = kept.by_position()  # input position -> hook, node, leaf or retained tensor
         self.kept = kept
         self.kinds = list(call.kinds)  # every node left runs as the real node
         self.keep_graph = keep_graph

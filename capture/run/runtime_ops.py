@@ -100,7 +100,8 @@ def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_st
             refs <= unshared_refs or (refs <= unshared_refs + calls and _call_adds_reference()))
         if grad.is_sparse:
             variable.grad = _sparse_first_grad(grad, unshared)
-        elif unshared and _obeys_layout_contract(grad, variable):
+        elif unshared and ((grad.is_contiguous() and variable.is_contiguous())  # the common case, inline
+                           or _obeys_layout_contract(grad, variable)):
             variable.grad = grad.detach()
         else:
             variable.grad = _clone_obey_contract(grad, variable)

@@ -94,6 +94,27 @@ class CompiledBackward:
         self.key = None  # its cache key (set by the capture)
 
 
+def _config_keys(backend_fn, passes, dynamic, registered: bool) -> tuple:
+    """(the key of a block's backend, passes and dynamic mode; the same for create_graph
+    backwards, which trace and run differently: grad mode on).  Blocks of registered
+    backends and the default passes, opened for every backward of a training loop,
+    look theirs up by the functions themselves."""
+    if registered:
+        functions = (backend_fn, *(fn for _, fn in passes), dynamic)
+        keys = _registered_configs.get(functions)
+        if keys is not None:
+            return keys
+    key = Key((callable_key(backend_fn), tuple(callable_key(fn) for _, fn in passes), dynamic))
+    keys = (key, Key((key, "create_graph")))
+    if registered:
+        _registered_configs[functions] = keys
+    return keys
+
+
+# (registered backend, default pass functions, dynamic) -> config keys; a handful of entries
+_registered_configs: dict = {}
+
+
 class Session:
     """State of one ``with gradfx.compiled_autograd(...)`` block."""
 
@@ -121,10 +142,8 @@ class Session:
         # and a registered name means the function registered now.  `strict` is not
         # in the key: it changes nothing for a graph that compiled, and a graph whose
         # backend failed is marked (CompiledBackward.failed).
-        self._config_key = Key((callable_key(self.backend_fn),
-                                tuple(callable_key(fn) for _, fn in self.passes), dynamic))
-        # create_graph backwards trace and run differently (grad mode on): their own graphs.
-        self._config_key_with_history = Key((self._config_key, "create_graph"))
+        self._config_key, self._config_key_with_history = _config_keys(
+            self.backend_fn, self.passes, dynamic, registered=isinstance(backend, str) and passes is None)
 
     # -- context manager -----------------------------------------------------
     def __enter__(self) -> "Session":
