@@ -126,3 +126,37 @@ def test_fsdp2_gradients_equal_eager():
         assert results[rank]["stats"]["fallbacks"] == 0, dict(results)
         assert results[rank]["stats"]["captures"] >= 1, dict(results)
         assert results[rank]["walker_taken"] == 3 - results[rank]["stats"]["captures"], dict(results)
+
+
+@pytest.mark.parametrize("python_reducer", [False, True])
+def test_reducer_probe_does_not_go_through_compiled_autograd_enable(monkeypatch, python_reducer):
+    # A harness that runs torch's compiled-autograd tests on gradfx points
+    # `compiled_autograd._enable` at gradfx: the probe for DDP's C++ hooks must not use it.
+    from torch._dynamo import compiled_autograd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import gradfx
+    from gradfx.capture.graph import distributed
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the probe went through compiled_autograd._enable")
+    monkeypatch.setattr(compiled_autograd, "_enable", refuse)
+    monkeypatch.setattr(distributed, "_checked", {})
+    dist.init_process_group(backend="fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        with torch._dynamo.config.patch(optimize_ddp="python_reducer" if python_reducer else True):
+            torch.manual_seed(0)
+            model = DDP(nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 10)))
+        loss = model(torch.randn(10, 10)).sum()
+        # strict: the C++ reducer is refused before anything runs (the fake process
+        # group could not run its all-reduce)
+        with gradfx.compiled_autograd(strict=True) as session:
+            if python_reducer:
+                loss.backward()
+            else:
+                with pytest.raises(gradfx.Unsupported, match="C\\+\\+ hooks"):
+                    loss.backward()
+    finally:
+        dist.destroy_process_group()
+    assert session.stats["captures"] == int(python_reducer)
