@@ -152,10 +152,15 @@ def _runtime_cause(err: BaseException) -> BaseException | None:
 
 
 def _is_compile_error(err: BaseException) -> bool:
-    """Did dynamo fail while compiling (before any of the graph ran)?"""
+    """Did dynamo fail while compiling (before any of the graph ran)?  Its own errors, and
+    a size the user marked dynamic (``mark_dynamic``) that the graph has static: dynamo
+    refuses that while building its guards."""
     import sys
     exc = sys.modules.get("torch._dynamo.exc")
-    return exc is not None and isinstance(err, exc.TorchDynamoException)
+    if exc is None:
+        return False
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+    return isinstance(err, (exc.TorchDynamoException, ConstraintViolationError))
 
 
 def _takes_one_argument(fn) -> bool:

@@ -320,3 +320,33 @@ def test_a_custom_backward_returning_none_runs_as_in_eager():
     assert len(messages) == 1 and "failed to compile" in messages[0] and "got None" in messages[0]
     assert "\n" not in messages[0]  # dynamo's advice goes to the log, not the warning
     assert session.stats["captures"] == 2 and session.stats["cache_hits"] == 1
+
+
+def test_a_leaf_marked_dynamic_never_breaks_the_backward():
+    # The user marks a leaf's size dynamic for the compiled forward; dynamo, compiling
+    # gradfx's graph (static in that size at first), refuses with a ConstraintViolationError
+    # while building its guards.  That is a failed compile: the eager backend runs the graph.
+    @torch.compile(backend="aot_eager")
+    def f(x):
+        return x.sin().sin()
+
+    def leaf(n):
+        torch.manual_seed(n)
+        x = torch.randn(n, 3, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 0)
+        return x
+
+    got = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradfx.compiled_autograd(backend=Inspecting("aot_eager"), dynamic=True):
+            for n in (2, 4):
+                x = leaf(n)
+                f(x).sum().backward()
+                got.append(x.grad)
+    for n, g in zip((2, 4), got):
+        x = leaf(n)
+        f(x).sum().backward()
+        assert torch.equal(g, x.grad)
+    assert any("ConstraintViolationError" in str(w.message) for w in caught
+               if issubclass(w.category, gradfx.FallbackWarning))
