@@ -23,8 +23,9 @@ copy is rewritten:
   (whose backward runs a backward of its own, accumulating into leaves) the
   accumulations are the ordered custom op ``torch.ops.gradfx.accumulate_grad``
   too;
-* hook calls stay as they are: dynamo inlines them, guarding on the hook's code,
-  not on the hook object, so hooks recreated every step reuse the compiled code.
+* hook calls stay as they are, without the node they run for: dynamo inlines them,
+  guarding on the hook's code, not on the hook object, so hooks recreated every step
+  reuse the compiled code.
 
 :func:`prepare` returns the rewritten graph and an :class:`Adapter` that turns
 gradfx's runtime inputs into what that graph takes.
@@ -317,6 +318,10 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             graph.erase_node(node)  # compiled code takes no live nodes: released after the run
         elif node.target is runtime_ops.require_gradients:
             _pass_gradients_on(graph, node)
+        elif node.target in HOOK_CALLS and node.target is not hook_ops.retain_grad:
+            # Without the node that runs them (hook_ops._call): compiled code does not answer
+            # torch._C._current_autograd_node(), and dynamo would not trace the thread-local.
+            node.args = node.args[:-1]
     if nested:
         # A reentrant checkpoint runs a backward of its own inside the graph, which may
         # accumulate into the same leaves; dynamo would replay its own `.grad` writes

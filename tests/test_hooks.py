@@ -463,3 +463,56 @@ def test_post_hook_registered_on_a_node_while_it_runs_raises():
         assert torch.equal(x.grad, torch.full((3,), 2.0))
         with pytest.raises(RuntimeError, match="post-hook was registered on RegistersBackward while it ran"):
             Registers.apply(x, True).sum().backward()
+
+
+def _running():
+    node = torch._C._current_autograd_node()
+    return None if node is None else node.name()
+
+
+def test_hooks_see_their_node_running():
+    # Every hook of a node runs while the engine evaluates that node: tensor hooks,
+    # pre- and post-hooks, a leaf's hooks and post-accumulate hooks (its AccumulateGrad),
+    # module full backward hooks.
+    def build(log):
+        model = _mlp()
+        params = list(model.parameters())
+        model[2].register_full_backward_hook(lambda m, gi, go: log.append(("module", _running())))
+        model[2].register_full_backward_pre_hook(lambda m, go: log.append(("module pre", _running())))
+        params[0].register_hook(lambda g: log.append(("leaf", _running())))
+        params[1].register_post_accumulate_grad_hook(lambda p: log.append(("post accumulate", _running())))
+
+        def step():
+            h = model[1](model[0](torch.randn(4, 6)))
+            h.register_hook(lambda g: log.append(("tensor", _running())))
+            out = model[4](model[3](model[2](h))).exp()
+            out.grad_fn.register_prehook(lambda g: log.append(("pre", _running())))
+            out.grad_fn.register_hook(lambda gi, go: log.append(("post", _running())))
+            out.sum().backward()
+        return params, step
+
+    log = run_both(build)
+    assert all(name is not None for _, name in log) and len(log) == 3 * 7, log
+
+
+def test_autograd_debug_logging_names_each_node(caplog):
+    # torch's autograd DEBUG log registers a pre-hook on every node that names the
+    # node running (torch.autograd.graph): captured like any pre-hook, eager's lines.
+    import re
+    torch.manual_seed(0)
+    model = _mlp()
+    x = torch.randn(4, 6)
+
+    def lines():
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="torch.autograd.graph"):
+            model(x).sum().backward()
+        return [re.sub(r" at 0x[0-9a-f]+", "", r.getMessage()) for r in caplog.records
+                if r.name == "torch.autograd.graph"]
+
+    eager = lines()
+    with gradfx.compiled_autograd() as session:
+        got = [lines() for _ in range(2)]
+    assert eager and "None" not in eager[0]
+    assert got == [eager, eager]
+    assert session.stats["captures"] == 1 and session.stats["cache_hits"] == 1

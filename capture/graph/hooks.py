@@ -205,7 +205,7 @@ def _probe_node(node) -> tuple:
 class Found:
     """The hooks of one node, each kind in eager's order (callables; tensors for retain)."""
 
-    __slots__ = ("tensor_pre", "retain", "pre", "post", "post_accumulate")
+    __slots__ = ("tensor_pre", "retain", "pre", "post", "post_accumulate", "node")
 
     def __init__(self):
         self.tensor_pre = []  # (output_nr, [callables])
@@ -213,6 +213,9 @@ class Found:
         self.pre = ()
         self.post = ()
         self.post_accumulate = ()
+        # an accumulator itself, what its hooks see as the running node (the graph
+        # takes every other node as an input anyway)
+        self.node = None
 
     def key(self) -> tuple:
         """The hooks' shape: part of the structure key (kinds.HookSpec.key is the same)."""
@@ -226,6 +229,8 @@ class Found:
         out += self.pre
         out += self.post
         out += self.post_accumulate
+        if self.node is not None:
+            out.append(self.node)
         return out
 
 
@@ -251,6 +256,13 @@ def collect(node, variable, retained, active: WalkState | None) -> Found | None:
     is ``node``; ``active``: the walk's :func:`active` (when None only a leaf's own
     hooks are read).
     """
+    found = _collect(node, variable, retained, active)
+    if found is not None and variable is not None:
+        found.node = node
+    return found
+
+
+def _collect(node, variable, retained, active) -> Found | None:
     found = None
     if variable is not None:
         if variable._backward_hooks:

@@ -140,6 +140,7 @@ class HookSpec:
     post: list = field(default_factory=list)
     post_accumulate: list = field(default_factory=list)
     post_incoming: tuple = ()  # per post-hook: hooks.hands_on_incoming
+    node: int | None = None  # an accumulator's own node, for its hooks (hooks.Found.node)
 
     def key(self) -> tuple:
         return (tuple((nr, len(p)) for nr, p in self.tensor_pre), tuple(nr for nr, _ in self.retain),
@@ -385,6 +386,8 @@ def walk_hooks(w: Walk, rec: NodeRecord, i: int, node, var=None) -> None:
     spec.post = [w.add_input(h, "hook", i) for h in found.post]
     spec.post_incoming = tuple(map(hooks.hands_on_incoming, found.post))
     spec.post_accumulate = [w.add_input(h, "hook", i) for h in found.post_accumulate]
+    if found.node is not None:
+        spec.node = w.add_input(found.node, "node", i)
     rec.hooks = spec
     w.key.append(spec.key())
 

@@ -155,7 +155,7 @@ class _Runner:
         inputs = list(inputs)
         for nr, positions in spec.tensor_pre:
             for pos in positions:
-                inputs[nr] = hook_ops.call_tensor_hook(self.by_pos[pos], inputs[nr])
+                inputs[nr] = hook_ops.call_tensor_hook(self.by_pos[pos], inputs[nr], self.call.nodes[i])
         for nr, pos in spec.retain:
             hook_ops.retain_grad(self.by_pos[pos], inputs[nr])
         return inputs
@@ -163,18 +163,18 @@ class _Runner:
     def pre_hooks(self, i, spec, inputs):
         grads = tuple(inputs)
         for pos in spec.pre:
-            grads = hook_ops.call_pre_hook(self.by_pos[pos], grads)
+            grads = hook_ops.call_pre_hook(self.by_pos[pos], grads, self.call.nodes[i])
         return list(grads)
 
     def post_hooks(self, i, spec, outputs, inputs):
         outs = tuple(outputs)
         for pos in spec.post:
-            outs = hook_ops.call_post_hook(self.by_pos[pos], outs, tuple(inputs))
+            outs = hook_ops.call_post_hook(self.by_pos[pos], outs, tuple(inputs), self.call.nodes[i])
         return list(outs)
 
     def post_accumulate_hooks(self, i, spec, var_pos):
         for pos in spec.post_accumulate:
-            hook_ops.call_post_accumulate_hook(self.by_pos[pos], self.by_pos[var_pos])
+            hook_ops.call_post_accumulate_hook(self.by_pos[pos], self.by_pos[var_pos], self.call.nodes[i])
 
     def accumulate(self, i, grad, var_input):
         variable = self.by_pos[var_input]

@@ -54,25 +54,39 @@ def _type_name(t) -> str:
     return ("Sparse" if t.layout is torch.sparse_coo else "") + key + scalar + "Type"
 
 
-def call_tensor_hook(hook, grad):
-    """A tensor hook (``t.register_hook``): returns the gradient to use."""
-    result = hook(grad)
+def _call(node, hook, *args):
+    """``hook(*args)`` with ``torch._C._current_autograd_node()`` answering ``node``, as
+    in eager, where every hook of a node runs while the engine evaluates it (None: the
+    graph runs compiled, where that query is not answered)."""
+    if node is None:
+        return hook(*args)
+    previous = running_node(node)
+    try:
+        return hook(*args)
+    finally:
+        done_running(previous)
+
+
+def call_tensor_hook(hook, grad, node=None):
+    """A tensor hook (``t.register_hook``), of a gradient ``node`` takes: returns the
+    gradient to use."""
+    result = _call(node, hook, grad)
     if result is None:
         return grad
     return _check_single(grad, result, hook)
 
 
-def call_pre_hook(hook, grads: tuple) -> tuple:
+def call_pre_hook(hook, grads: tuple, node=None) -> tuple:
     """A node pre-hook (``grad_fn.register_prehook``): returns the node's inputs."""
-    result = hook(grads)
+    result = _call(node, hook, grads)
     if result is None:
         return grads
     return _check_tuple(grads, result, hook)
 
 
-def call_post_hook(hook, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+def call_post_hook(hook, grad_inputs: tuple, grad_outputs: tuple, node=None) -> tuple:
     """A node post-hook (``grad_fn.register_hook``): returns the node's outputs."""
-    result = hook(grad_inputs, grad_outputs)
+    result = _call(node, hook, grad_inputs, grad_outputs)
     if result is None:
         return grad_inputs
     return _check_tuple(grad_inputs, result, hook)
@@ -105,8 +119,8 @@ def retain_grad(tensor, grad) -> None:
         tensor.grad = tensor.grad + grad
 
 
-def call_post_accumulate_hook(hook, variable) -> None:
-    if hook(variable) is not None:
+def call_post_accumulate_hook(hook, variable, node=None) -> None:
+    if _call(node, hook, variable) is not None:
         raise RuntimeError("Tensor post accumulate grad hooks should return None.")
 
 

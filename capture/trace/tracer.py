@@ -309,7 +309,8 @@ class _Tracer:
         for nr, positions in spec.tensor_pre:
             for pos in positions:
                 grad = inputs[nr]
-                inputs[nr] = self.python_call(hook_ops.call_tensor_hook, (_Input(pos), grad), grad, label, "hook")
+                inputs[nr] = self.python_call(hook_ops.call_tensor_hook, (_Input(pos), grad, self.running(i)), grad,
+                                              label, "hook")
                 if grad is not None and id(grad) in self.maybe_none:  # None stays None
                     self.may_be_none((inputs[nr],))
         for nr, pos in spec.retain:
@@ -320,7 +321,8 @@ class _Tracer:
         label = self.call_label(i)
         grads = tuple(inputs)
         for pos in spec.pre:
-            grads = self.python_call(hook_ops.call_pre_hook, (_Input(pos), grads), grads, label, "hook")
+            grads = self.python_call(hook_ops.call_pre_hook, (_Input(pos), grads, self.running(i)), grads, label,
+                                     "hook")
             self.may_be_none(grads)
         return list(grads)
 
@@ -330,7 +332,8 @@ class _Tracer:
         for pos, incoming in zip(spec.post, spec.post_incoming):
             # A module's output hook hands on the node's incoming gradients: None where none came.
             like = tuple(o if g is not None else None for o, g in zip(outs, inputs)) if incoming else outs
-            outs = self.python_call(hook_ops.call_post_hook, (_Input(pos), outs, tuple(inputs)), like, label, "hook")
+            outs = self.python_call(hook_ops.call_post_hook, (_Input(pos), outs, tuple(inputs), self.running(i)), like,
+                                    label, "hook")
             self.may_be_none(outs)
         return list(outs)
 
@@ -344,7 +347,19 @@ class _Tracer:
     def post_accumulate_hooks(self, i, spec, var_pos):
         label = self.call_label(i)
         for pos in spec.post_accumulate:
-            self.python_call(hook_ops.call_post_accumulate_hook, (_Input(pos), _Input(var_pos)), None, label, "hook")
+            self.python_call(hook_ops.call_post_accumulate_hook, (_Input(pos), _Input(var_pos), self.running(i)), None,
+                             label, "hook")
+
+    def running(self, i):
+        """The input holding node ``i`` itself, which its hooks see running (hook_ops._call);
+        None for a node the graph takes no object of (one whose gradient autograd.grad
+        only captures)."""
+        rec = self.call.records[i]
+        if rec.kind is ACCUMULATE:
+            pos = rec.hooks.node if rec.hooks is not None else None
+        else:
+            pos = rec.node_input
+        return None if pos is None else _Input(pos)
 
     def call_label(self, i):
         return self.call.node_label(i)

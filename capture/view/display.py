@@ -164,7 +164,8 @@ def group_labels(graph: fx.Graph) -> dict:
             continue
         kind = node.meta.get("gradfx_kind")
         if node.op == "placeholder" and kind in ("node", "variable"):
-            exact[index] = autograd_label(node.meta["gradfx_node"], node if kind == "variable" else None)
+            if kind == "variable" or index not in exact:  # a leaf names its accumulator
+                exact[index] = autograd_label(node.meta["gradfx_node"], node if kind == "variable" else None)
         else:
             votes.setdefault(index, Counter())[node.meta["gradfx_node"]] += 1
     for index, counter in votes.items():
