@@ -375,31 +375,41 @@ def test_broadcast_gradients_reduced_over_sizes():
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_ops_recorded_without_fake_dispatch_carry_torchs_metadata(dynamic):
-    # t, transpose, detach, mm, bmm and elementwise ops are recorded with a fake the
-    # tracer lays out itself: each must have the sizes, strides and dtype torch's own
-    # kernel gives, and torch's proxy_call is back once the trace is over.
+    # t, transpose, detach, mm, bmm, elementwise ops, views, copies, sums and layer
+    # norm's backward are recorded with a fake the tracer lays out itself: each must
+    # have the sizes, strides and dtype torch's own kernel gives, and torch's
+    # proxy_call is back once the trace is over.
     from torch.fx.experimental import proxy_tensor
     from gradfx.capture.trace import fast_ops, plain_layout
     before = proxy_tensor.proxy_call
     torch.manual_seed(0)
     graph = gradfx.capture(_Heads()(torch.randn(3, 8, 32)).square().mean(), dynamic=dynamic)
+    norm, bias = nn.LayerNorm(32), torch.randn(32, requires_grad=True)
+    x = torch.randn(3, 8, 32, requires_grad=True)
+    h = nn.functional.silu(nn.functional.gelu(norm(x), approximate="tanh")) + bias  # bias: a sum over dims
+    mixed = gradfx.capture((h[:, 0] * h.reshape(24, 32).sum(0)).square().mean(), dynamic=dynamic)
     assert proxy_tensor.proxy_call is before
     checked = set()
-    for node in graph.graph_module.graph.nodes:
+    for node in [*graph.graph_module.graph.nodes, *mixed.graph_module.graph.nodes]:
         if node.op != "call_function" or node.target not in fast_ops._LAYOUTS:
             continue
-        args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
+        args = torch.fx.node.map_arg(node.args, lambda a: a.meta["val"])  # in lists too (symbolic sizes)
         val = node.meta["val"]
-        fake_mode = val.fake_mode
+        fake_mode = next(v for v in (val if isinstance(val, (tuple, list)) else (val,)) if v is not None).fake_mode
         with fake_mode:
-            want = node.target(*args)
+            want = node.target(*args, **node.kwargs)
         def layout(t):  # as expressions: equal as written, not only at these sizes
             return [str(plain_layout.expr(x)) for x in (*t.shape, *t.stride())], t.dtype
-        assert layout(want) == layout(val), node
+        if isinstance(val, (tuple, list)):  # several outputs (layer norm's backward)
+            assert [None if v is None else layout(v) for v in val] == \
+                [None if w is None else layout(w) for w in want], node
+        else:
+            assert layout(want) == layout(val), node
         checked.add(node.target)
     aten = torch.ops.aten
     assert {aten.t.default, aten.mm.default, aten.bmm.default, aten.mul.Tensor, aten.mul.Scalar,
-            aten._softmax_backward_data.default} <= checked
+            aten._softmax_backward_data.default, aten.gelu_backward.default, aten.silu_backward.default,
+            aten.native_layer_norm_backward.default, aten.select_backward.default, aten.sum.dim_IntList} <= checked
 
 
 def test_symbolic_captures_in_two_threads_leave_torch_as_it_was():

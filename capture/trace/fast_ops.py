@@ -1,11 +1,12 @@
 """Ops whose output layout the size expressions give, recorded without fake dispatch.
 
-In a symbolic trace every op a backward formula calls goes through torch's proxy
-mode and fake-tensor kernel: 0.3-1 ms each, most of it building the output fake's
-symbolic metadata.  For the ops backward formulas call most (``t``, ``transpose``,
-``detach``, ``mm``, ``bmm``, and elementwise ops on tensors of one contiguous layout:
-two thirds of T5's) the output's sizes and strides are the inputs' rearranged, so
-the tracer makes a fake of that layout itself
+Every op a backward formula calls goes through torch's proxy mode and fake-tensor
+kernel: 0.3-1 ms each (3 ms for layer norm's backward, which fakes decompose), most
+of it building the output fake's metadata, symbolic or not.  For the ops backward
+formulas call most (``t``, ``transpose``, ``detach``, ``mm``, ``bmm``, elementwise
+ops on tensors of one contiguous layout: two thirds of T5's; views and copies of
+contiguous tensors, sums over dims, layer norm's backward) the output's sizes and
+strides are the inputs' rearranged, so the tracer makes a fake of that layout itself
 (``_Tracer.new_fake``) and records the fx node.  Anything these cannot decide from
 the expressions alone (a storage offset, sizes equal only by value, mixed dtypes,
 keyword arguments) goes to torch as before, guards and errors included.
@@ -14,6 +15,7 @@ keyword arguments) goes to torch as before, guards and errors included.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -96,6 +98,85 @@ def _threshold_backward(grad, x, threshold):
     return _elementwise(grad, x)
 
 
+def _static(sizes) -> bool:
+    return all(type(n) is int for n in sizes)
+
+
+def _view(x, size):
+    """A contiguous tensor viewed as ``size`` (``view``, ``_unsafe_view``): contiguous.
+    Static sizes only; a size list that does not hold the tensor's elements goes to
+    torch, which raises its error."""
+    if (not _plain_view_source(x) or type(size) not in (list, tuple) or not _static(size)
+            or not _static(x.shape) or not plainly_contiguous(x)):
+        return None
+    numel = math.prod(x.shape)
+    size = list(size)
+    if size.count(-1) == 1:
+        rest = math.prod(n for n in size if n != -1)
+        if rest <= 0 or numel % rest:
+            return None
+        size[size.index(-1)] = numel // rest
+    if numel == 0 or any(n < 0 for n in size) or math.prod(size) != numel:
+        return None
+    return tuple(size), "contiguous"
+
+
+def _clone(x, memory_format=None):
+    """A contiguous copy: of any strided tensor in contiguous format, of a contiguous one
+    in the format it keeps."""
+    if not (type(x) is FakeTensor and x.layout is torch.strided):
+        return None
+    if memory_format is torch.contiguous_format or (memory_format in (None, torch.preserve_format)
+                                                    and plainly_contiguous(x)):
+        return x.shape, "contiguous"
+    return None
+
+
+def _sum_dims(x, dims, keepdim=False):
+    """A floating tensor summed over the dims listed (without a dtype): a new contiguous tensor."""
+    n = x.dim()
+    if (type(x) is not FakeTensor or x.layout is not torch.strided or not x.is_floating_point()
+            or type(dims) not in (list, tuple) or not dims or not all(type(d) is int for d in dims)
+            or type(keepdim) is not bool or n == 0):
+        return None
+    dims = {d % n for d in dims}
+    shape = [1 if d in dims else size for d, size in enumerate(x.shape) if keepdim or d not in dims]
+    return shape, "contiguous"
+
+
+def _select_backward(grad, input_sizes, dim, index):
+    """Zeros of the input's sizes with the gradient copied into one slice: contiguous."""
+    if type(grad) is not FakeTensor or grad.layout is not torch.strided or type(input_sizes) not in (list, tuple):
+        return None
+    return tuple(input_sizes), "contiguous"
+
+
+def _gelu_backward(grad, x, approximate="none"):
+    return _elementwise(grad, x) if type(approximate) is str else None
+
+
+class Several(tuple):
+    """A layout function's answer for an op with several outputs: per output
+    ``(shape, strides, like)`` (a fake of ``like``'s dtype and device), or None where
+    the op returns an undefined tensor."""
+
+
+def _layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """The input's, weight's and bias's gradients, each a new contiguous tensor (as the
+    CPU kernel allocates them), None where ``output_mask`` says or the parameter is None."""
+    params = [t for t in (weight, bias) if t is not None]
+    if (not _elementwise(grad, x) or not all(_same_kind(x, t) and plainly_contiguous(t) for t in params)
+            or type(output_mask) not in (list, tuple) or len(output_mask) != 3):
+        return None
+    wanted = [(x, output_mask[0]), (weight, output_mask[1]), (bias, output_mask[2])]
+    return Several(None if t is None or not want else (t.shape, "contiguous", t) for t, want in wanted)
+
+
+# Ops whose keyword arguments the layout functions take (others go to torch with any).
+_KEYWORDS = {aten.clone.default: {"memory_format"}, aten.sum.dim_IntList: {"keepdim"},
+             aten.gelu_backward.default: {"approximate"}}
+
+
 _LAYOUTS = {aten.t.default: _t, aten.transpose.int: _transpose, aten.detach.default: _detach,
             aten.mm.default: _mm, aten.bmm.default: _bmm,
             aten.mul.Tensor: _elementwise, aten.add.Tensor: _elementwise, aten.sub.Tensor: _elementwise,
@@ -103,7 +184,11 @@ _LAYOUTS = {aten.t.default: _t, aten.transpose.int: _transpose, aten.detach.defa
             aten.tanh_backward.default: _elementwise, aten.sigmoid_backward.default: _elementwise,
             aten.mul.Scalar: _with_scalar, aten.div.Scalar: _with_scalar, aten.pow.Tensor_Scalar: _with_scalar,
             aten.threshold_backward.default: _threshold_backward,
-            aten._softmax_backward_data.default: _softmax_backward}
+            aten._softmax_backward_data.default: _softmax_backward,
+            aten.view.default: _view, aten._unsafe_view.default: _view, aten.clone.default: _clone,
+            aten.sum.dim_IntList: _sum_dims, aten.select_backward.default: _select_backward,
+            aten.gelu_backward.default: _gelu_backward, aten.silu_backward.default: _elementwise,
+            aten.native_layer_norm_backward.default: _layer_norm_backward}
 
 
 _tracers: dict = {}  # id(fx tracer) -> its gradfx _Tracer, while it traces
@@ -112,12 +197,14 @@ _tracers: dict = {}  # id(fx tracer) -> its gradfx _Tracer, while it traces
 def _replacement(original):
     def proxy_call(proxy_mode, func, pre_dispatch, args, kwargs):
         layout = _LAYOUTS.get(func)
-        if layout is not None and not kwargs and not pre_dispatch:
+        if layout is not None and not pre_dispatch and (not kwargs or kwargs.keys() <= _KEYWORDS.get(func, ())):
             tracer = _tracers.get(id(proxy_mode.tracer))
             if tracer is not None:
-                found = layout(*args)
+                found = layout(*args, **kwargs)
+                if type(found) is Several:
+                    return tracer.record_several(func, args, found, kwargs)
                 if found is not None:
-                    return tracer.record_op(func, args, *found)
+                    return tracer.record_op(func, args, *found, kwargs)
         return original(proxy_mode, func, pre_dispatch, args, kwargs)
     return proxy_call
 

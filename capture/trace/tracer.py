@@ -225,6 +225,17 @@ class _Tracer:
         track_tensor_tree(out, proxy, constant=None, tracer=self.tracer)
         return out
 
+    def record_several(self, func, args, layouts, kwargs=None):
+        """Record ``func(*args, **kwargs)`` with several outputs the caller has laid out
+        (per output ``(shape, strides, like)``, or None for an undefined one)."""
+        outs = tuple(None if spec is None else self.new_fake(spec[0], spec[1], spec[2].dtype, spec[2].device)
+                     for spec in layouts)
+        args = tuple([self.arg(x) for x in a] if type(a) is list else self.arg(a) for a in args)
+        proxy = self.tracer.create_proxy("call_function", func, args, kwargs or {})
+        proxy.node.meta["original_aten"] = func
+        track_tensor_tree(outs, proxy, constant=None, tracer=self.tracer)
+        return outs
+
     def sum_to(self, grad, shape):
         """The engine's reduction of a broadcast gradient to its input's shape (at::sum_to)
         where the sizes' expressions decide which dims it sums; None where they do not
