@@ -143,6 +143,7 @@ def test_reducer_probe_does_not_go_through_compiled_autograd_enable(monkeypatch,
         raise AssertionError("the probe went through compiled_autograd._enable")
     monkeypatch.setattr(compiled_autograd, "_enable", refuse)
     monkeypatch.setattr(distributed, "_checked", {})
+    torch._dynamo.utils.counters.clear()
     dist.init_process_group(backend="fake", rank=0, world_size=2, store=FakeStore())
     try:
         with torch._dynamo.config.patch(optimize_ddp="python_reducer" if python_reducer else True):
@@ -160,3 +161,4 @@ def test_reducer_probe_does_not_go_through_compiled_autograd_enable(monkeypatch,
     finally:
         dist.destroy_process_group()
     assert session.stats["captures"] == int(python_reducer)
+    assert not torch._dynamo.utils.counters["compiled_autograd"]  # the probe's capture is not counted

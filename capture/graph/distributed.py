@@ -68,6 +68,7 @@ def _probe(variables) -> bool:
     import functools
 
     from torch._dynamo import compiled_autograd
+    from torch._dynamo.utils import counters
     from torch.autograd.variable import Variable
 
     engine = Variable._execution_engine
@@ -77,6 +78,9 @@ def _probe(variables) -> bool:
     # torch's compiled autograd installed directly, not through `compiled_autograd._enable`:
     # a test harness may have pointed that at gradfx itself.
     install = torch._C._dynamo.compiled_autograd.set_autograd_compiler
+    # torch counts the capture the probe starts: the count the user reads is left as it was
+    counted = counters["compiled_autograd"]
+    before = dict(counted)
     prior = install(functools.partial(compiled_autograd.AutogradCompilerInstance, _refuse), False)
     try:
         with torch.autograd.set_multithreading_enabled(False):
@@ -87,4 +91,6 @@ def _probe(variables) -> bool:
         return True
     finally:
         install(*prior)
+        counted.clear()
+        counted.update(before)
     return True
