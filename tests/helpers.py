@@ -9,6 +9,18 @@ import torch
 import gradfx
 
 
+class RetNone(torch.autograd.Function):
+    """Returns None for its input: eager passes an undefined gradient on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
 def grads_of(params):
     return [None if p.grad is None else p.grad.clone() for p in params]
 

@@ -13,19 +13,7 @@ import torch
 import gradfx
 from gradfx.capture.run import continuation
 
-from .helpers import assert_same
-
-
-class RetNone(torch.autograd.Function):
-    """Returns None for its input: eager passes an undefined gradient on."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None
+from .helpers import RetNone, assert_same
 
 
 class SometimesNone(torch.autograd.Function):

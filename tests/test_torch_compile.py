@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 import gradfx
 from gradfx.backends.traceable import accumulate
 from gradfx.capture.run import hook_ops
+from helpers import RetNone
 
 
 @pytest.fixture(autouse=True)
@@ -281,18 +282,6 @@ def test_accumulator_hooks_read_grad_under_a_compiled_forward():
         torch.testing.assert_close(q.grad, p.grad)
 
 
-class DropsGradient(torch.autograd.Function):
-    """A custom Function whose backward gives its input no gradient (None)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None
-
-
 def test_a_custom_backward_returning_none_runs_as_in_eager():
     # Traced before its backward was seen, the first graph takes the gradient as a tensor;
     # dynamo then inlines the backward, finds None, and fails to compile that graph (the
@@ -300,7 +289,7 @@ def test_a_custom_backward_returning_none_runs_as_in_eager():
     # with that gradient None, compiles.
     def step(model, x):
         h = model(x)
-        (DropsGradient.apply(h.exp()).sin().sum() + h.sum()).backward()
+        (RetNone.apply(h.exp()).sin().sum() + h.sum()).backward()
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
