@@ -28,7 +28,7 @@ UNARY = [torch.sin, torch.tanh, torch.sigmoid, torch.exp, lambda t: t * 1.7, lam
          lambda t: t.pow(2), lambda t: t / 3.0]
 OPS = ["unary", "add", "mul", "view", "inplace", "slice_inplace", "fanin", "hook", "node_hook",
        "next_hook", "retain_twice", "removed_hook", "embedding", "masked_fill", "index", "prod",
-       "function", "checkpoint", "odd_hook", "none_function"]
+       "function", "checkpoint", "odd_hook", "none_function", "norm"]
 
 
 def _odd_layout(g, layout):
@@ -178,6 +178,20 @@ def _program(seed, log, n=4):
             layout = rng.choice(["columns", "expanded"])
             b.register_hook(lambda g, layout=layout: _odd_layout(g * 1.0, layout))
             values.append(b)
+        elif op == "norm":  # layer norm (a weight and bias or none), GELU, SiLU, a selected column, a row sum
+            kind = rng.choice(["layer_norm", "gelu", "silu", "select", "sum"])
+            if kind == "layer_norm":
+                params = [torch.randn(6, requires_grad=True) for _ in range(2)] if rng.random() < 0.5 else [None, None]
+                extra.extend(p for p in params if p is not None)
+                values.append(F.layer_norm(a, (6,), *params))
+            elif kind == "gelu":
+                values.append(F.gelu(a, approximate=rng.choice(["none", "tanh"])))
+            elif kind == "silu":
+                values.append(F.silu(a))
+            elif kind == "select":
+                values.append(a.select(1, rng.randrange(6)).unsqueeze(1) * a)
+            else:
+                values.append(a.sum(1, keepdim=True) * 0.1 + a.sum(0) * 0.2)
         elif op == "prod":  # zeros where a random mask says, differentiably
             z = torch.where(torch.rand(n, 6) < 0.2, 0.0, a)
             values.append(z.prod(1, keepdim=True) * z + z.cumprod(1))
