@@ -161,7 +161,9 @@ class _Tracer:
 
     def fake_tensor(self, pos, value):
         if self.symbolic is None:
-            if _plain(value):  # its layout is all a trace reads of it
+            # its layout is all a trace reads of it; a create_graph trace records history and
+            # formulas may look at requires_grad: there the real tensor's own fake
+            if _plain(value) and not self.call.create_graph:
                 strides = "contiguous" if value.is_contiguous() else tuple(value.stride())
                 return self.new_fake(tuple(value.shape), strides, value.dtype, value.device)
             return self.fake_mode.from_tensor(value)  # 0.4-0.8 ms each: views, autograd, bits
