@@ -207,7 +207,7 @@ class Found:
 
     __slots__ = ("tensor_pre", "retain", "pre", "post", "post_accumulate", "node")
 
-    def __init__(self):
+    def __init__(self, node=None):
         self.tensor_pre = []  # (output_nr, [callables])
         self.retain = []  # (output_nr, tensor)
         self.pre = ()
@@ -215,7 +215,7 @@ class Found:
         self.post_accumulate = ()
         # an accumulator itself, what its hooks see as the running node (the graph
         # takes every other node as an input anyway)
-        self.node = None
+        self.node = node
 
     def key(self) -> tuple:
         """The hooks' shape: part of the structure key (kinds.HookSpec.key is the same)."""
@@ -256,20 +256,14 @@ def collect(node, variable, retained, active: WalkState | None) -> Found | None:
     is ``node``; ``active``: the walk's :func:`active` (when None only a leaf's own
     hooks are read).
     """
-    found = _collect(node, variable, retained, active)
-    if found is not None and variable is not None:
-        found.node = node
-    return found
-
-
-def _collect(node, variable, retained, active) -> Found | None:
+    leaf = node if variable is not None else None  # an accumulator: its hooks' running node
     found = None
     if variable is not None:
         if variable._backward_hooks:
-            found = Found()
+            found = Found(leaf)
             found.tensor_pre.append((0, list(variable._backward_hooks.values())))
         if variable._post_accumulate_grad_hooks:
-            found = found or Found()
+            found = found or Found(leaf)
             found.post_accumulate = list(variable._post_accumulate_grad_hooks.values())
     if not active:
         return found
@@ -278,10 +272,10 @@ def _collect(node, variable, retained, active) -> Found | None:
         for nr, ref in entry.dicts:
             d = ref()
             if d:
-                found = found or Found()
+                found = found or Found(leaf)
                 found.tensor_pre.append((nr, list(d.values())))
     if retained:
-        found = found or Found()
+        found = found or Found(leaf)
         found.retain = list(retained)
     if active.unfound and _node_dicts:
         pre, post = _probe_node(node)
@@ -289,7 +283,7 @@ def _collect(node, variable, retained, active) -> Found | None:
             if d is not None and id(d) in _node_dicts:
                 active.unfound -= 1
         if pre or post:
-            found = found or Found()
+            found = found or Found(leaf)
             found.pre = list(pre.values()) if pre else ()
             found.post = list(post.values()) if post else ()
     return found

@@ -220,23 +220,21 @@ class _Tracer:
         """Record ``func(*args, **kwargs)`` whose output the caller has laid out (``shape``,
         ``strides``; dtype and device of ``args[0]``): no fake-tensor dispatch."""
         like = args[0]
-        out = self.new_fake(shape, strides, like.dtype, like.device)
-        args = tuple([self.arg(x) for x in a] if type(a) is list else self.arg(a) for a in args)  # lists stay lists
-        proxy = self.tracer.create_proxy("call_function", func, args, kwargs or {})
-        proxy.node.meta["original_aten"] = func
-        track_tensor_tree(out, proxy, constant=None, tracer=self.tracer)
-        return out
+        return self._record(func, args, kwargs, self.new_fake(shape, strides, like.dtype, like.device))
 
     def record_several(self, func, args, layouts, kwargs=None):
         """Record ``func(*args, **kwargs)`` with several outputs the caller has laid out
         (per output ``(shape, strides, like)``, or None for an undefined one)."""
         outs = tuple(None if spec is None else self.new_fake(spec[0], spec[1], spec[2].dtype, spec[2].device)
                      for spec in layouts)
-        args = tuple([self.arg(x) for x in a] if type(a) is list else self.arg(a) for a in args)
+        return self._record(func, args, kwargs, outs)
+
+    def _record(self, func, args, kwargs, out):
+        args = tuple([self.arg(x) for x in a] if type(a) is list else self.arg(a) for a in args)  # lists stay lists
         proxy = self.tracer.create_proxy("call_function", func, args, kwargs or {})
         proxy.node.meta["original_aten"] = func
-        track_tensor_tree(outs, proxy, constant=None, tracer=self.tracer)
-        return outs
+        track_tensor_tree(out, proxy, constant=None, tracer=self.tracer)
+        return out
 
     def sum_to(self, grad, shape):
         """The engine's reduction of a broadcast gradient to its input's shape (at::sum_to)
