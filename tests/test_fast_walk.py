@@ -270,3 +270,31 @@ def test_walker_looks_up_hooked_nodes_first_and_probes_no_other(monkeypatch):
         loss.backward()
     assert taken.count == 1
     assert len(probes) <= dicts
+
+
+
+def test_floor_benchmark_measures_the_walkers_own_reads():
+    """bench/bench_walk_floor.py times the walker against its code without comparisons:
+    that variant must collect exactly what the walker collects (else it measures
+    something else) and compare nothing (else it is no floor)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_walk_floor
+    make, shape = MODELS["transformer"]
+    torch.manual_seed(0)
+    model = make()
+    with gradfx.compiled_autograd():
+        model(torch.randn(*shape)).sum().backward()
+    walker = _walker()
+    bare = bench_walk_floor.reads_only(walker)
+    found = []
+    for fn in (walker, bare):
+        loss = model(torch.randn(*shape)).sum()
+        nodes, owned, inputs, sizes, seq = fn((loss,), (torch.ones(()),), (), True)
+        found.append((sizes, [type(n) for n in nodes], [type(x) for x in inputs], len(seq)))
+        for o in owned:
+            if o is not None:
+                o.release()
+    assert found[0] == found[1]
+    assert "return None" in walker.source and "return None" not in bare.source
