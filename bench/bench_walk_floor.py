@@ -33,12 +33,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_backward as bb  # noqa: E402  (the models and losses)
-
-import gradfx  # noqa: E402
-from gradfx.capture.graph import fast_walk  # noqa: E402
-from gradfx.capture.run import session  # noqa: E402
+import gradfx
+from gradfx.capture.graph import fast_walk
+from gradfx.capture.run import session
 
 _COMPARISON = re.compile(r"^if not \((.*)\): return None$")
 _EFFECTS = ("collect(", "materializes(", "ctx_key(", "flatten(")  # calls a comparison wraps
@@ -76,8 +73,15 @@ def reads_only(walker):
     return _recompiled(walker, lines)
 
 
+def _models():
+    """bench_backward's models and losses (imported on use: it sets warning filters)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_backward
+    return bench_backward
+
+
 def in_situ(name, steps):
-    model, x, loss_fn = bb._setup(name)
+    model, x, loss_fn = _models()._setup(name)
     walker = _walker_of(model, x, loss_fn)
     variants = {"walker": walker, "reads only": reads_only(walker)}
     times = {k: [] for k in variants}
@@ -133,7 +137,7 @@ def _kind(body: str) -> str:
 
 
 def attribute(name, steps):
-    model, x, loss_fn = bb._setup(name)
+    model, x, loss_fn = _models()._setup(name)
     walker = _walker_of(model, x, loss_fn)
     source = walker.source.splitlines()
     lines, kinds = [source[0], "    _stamp = _clock; _log = _stamps"], []
@@ -168,6 +172,7 @@ def attribute(name, steps):
 
 
 def main():
+    bb = _models()
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["mlp", "transformer", "gpt2", "llama"], choices=sorted(bb.MODELS))
     p.add_argument("--threads", type=int, choices=[1, 2], default=1)

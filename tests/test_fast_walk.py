@@ -272,14 +272,12 @@ def test_walker_looks_up_hooked_nodes_first_and_probes_no_other(monkeypatch):
     assert len(probes) <= dicts
 
 
-
-def test_floor_benchmark_measures_the_walkers_own_reads():
+def test_floor_benchmark_measures_the_walkers_own_reads(monkeypatch):
     """bench/bench_walk_floor.py times the walker against its code without comparisons:
     that variant must collect exactly what the walker collects (else it measures
     something else) and compare nothing (else it is no floor)."""
     import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import bench_walk_floor
     make, shape = MODELS["transformer"]
     torch.manual_seed(0)
