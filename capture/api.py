@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import reorder
 from . import pipeline
 from .errors import Unsupported, _Fallback
 from .graph.walk import walk_backward
-from .run.session import Session, unused_input_message
+from .run.session import Session, check_dynamic, unused_input_message
+from .view import annotate
 from .view.captured_graph import CapturedGraph
 
 
@@ -58,7 +60,7 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=Non
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         if any(isinstance(t, torch.Tensor) and not t.requires_grad for t in inputs):
             raise RuntimeError("One of the differentiated Tensors does not require grad")
-    session = Session("eager", dynamic=dynamic, names=names)
+    check_dynamic(dynamic)
     try:
         call = walk_backward(outputs, grads, inputs or (), accumulate=inputs is None)
     except _Fallback as fb:
@@ -72,7 +74,8 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=Non
         from .trace.size_relations import relate
         positions = relate(call, dynamic_candidates(call) - baked_positions(call))
     try:
-        made = pipeline.capture_call(call, positions, session.passes, names=session.names,
+        made = pipeline.capture_call(call, positions, reorder.resolve(None),
+                                     names=annotate.Names(names) if names is not None else None,
                                      grad_inputs=inputs or (), keep_code=True)
     except _Fallback as fb:
         raise Unsupported(fb.reason) from None

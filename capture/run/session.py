@@ -43,6 +43,12 @@ log = logging.getLogger("gradfx")
 
 
 
+def check_dynamic(dynamic) -> None:
+    # `in` would take 1 and 0 for True and False (and then treat them as "auto").
+    if not (dynamic is True or dynamic is False or (type(dynamic) is str and dynamic == "auto")):
+        raise ValueError(f"dynamic must be 'auto', True or False, got {dynamic!r}")
+
+
 def unused_input_message(index: int) -> str:
     """torch.autograd.grad's error (torch 2.13's words) for an input nothing depends on."""
     return (f"The differentiated Tensor at index {index} appears to not have been used in the graph. "
@@ -121,9 +127,7 @@ class Session:
     def __init__(self, backend="eager", *, dynamic="auto", strict=False, passes=None, names=None):
         self.names = annotate.Names(names) if names is not None else None  # display only: never keyed
         self.backend_name, self.backend_fn = backends.lookup(backend)
-        # `in` would take 1 and 0 for True and False (and then treat them as "auto").
-        if not (dynamic is True or dynamic is False or (type(dynamic) is str and dynamic == "auto")):
-            raise ValueError(f"dynamic must be 'auto', True or False, got {dynamic!r}")
+        check_dynamic(dynamic)
         if type(strict) is not bool:  # strict="no" must not mean True
             raise TypeError(f"strict must be True or False, got {type(strict).__name__} ({strict!r})")
         self.passes = reorder.resolve(passes)
