@@ -42,7 +42,6 @@ _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 log = logging.getLogger("gradfx")
 
 
-
 def check_dynamic(dynamic) -> None:
     # `in` would take 1 and 0 for True and False (and then treat them as "auto").
     if not (dynamic is True or dynamic is False or (type(dynamic) is str and dynamic == "auto")):
