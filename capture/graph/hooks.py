@@ -15,8 +15,9 @@ A leaf's hooks are visible on the tensor (``_backward_hooks``,
   the wrapper counts them (weakly), and a walk stops probing once it has found
   them all.
 * hooks on non-leaf tensors (tensor pre-hooks of their ``grad_fn``): the wrapper
-  of ``Tensor.register_hook`` records the tensor's hook dict by ``id(grad_fn)``,
-  with the node's type and sequence number as a witness against a reused id;
+  of ``Tensor.register_hook`` records the tensor's hook dict by the node's
+  ``torch_releases.node_token``, with the node's type and sequence number as a
+  witness against a reused id;
 * ``retain_grad()`` on non-leaf tensors: the tensor, weakly; its node is read at
   walk time, because an in-place op moves the retains-grad hook to the new
   ``grad_fn``.
@@ -35,6 +36,8 @@ import torch
 from torch.autograd.function import _HookMixin
 from torch.overrides import has_torch_function_unary
 
+from ..torch_releases import node_token
+
 
 @dataclass
 class _TensorHooks:
@@ -42,7 +45,7 @@ class _TensorHooks:
     dicts: list  # (output_nr, weakref to the tensor's hook dict)
 
 
-_tensor_pre: dict[int, _TensorHooks] = {}  # id(grad_fn) -> hook dicts of its outputs
+_tensor_pre: dict[int, _TensorHooks] = {}  # node_token(grad_fn) -> hook dicts of its outputs
 _retained: dict[int, weakref.ref] = {}  # id(tensor) -> tensor, for retain_grad()
 _node_dicts: dict[int, weakref.ref] = {}  # live node-hook dicts, by id
 
@@ -109,7 +112,7 @@ def register_hook(self, hook):
     handle = _orig_register_hook(self, hook)
     node = self.grad_fn
     if fresh and node is not None:
-        key = id(node)
+        key = node_token(node)
         entry = _tensor_pre.get(key)
         if entry is None or entry.witness != _witness(node):
             entry = _tensor_pre[key] = _TensorHooks(_witness(node), [])
@@ -267,7 +270,7 @@ def collect(node, variable, retained, active: WalkState | None) -> Found | None:
             found.post_accumulate = list(variable._post_accumulate_grad_hooks.values())
     if not active:
         return found
-    entry = _tensor_pre.get(id(node))
+    entry = _tensor_pre.get(node_token(node)) if _tensor_pre else None
     if entry is not None and entry.witness == _witness(node):
         for nr, ref in entry.dicts:
             d = ref()

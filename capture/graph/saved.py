@@ -28,6 +28,8 @@ import re
 import threading
 from functools import partial
 
+from .. import torch_releases
+
 FREED_MESSAGE = (
     "Trying to backward through the graph a second time (or directly access saved "
     "tensors after they have already been freed). Saved intermediate values of the "
@@ -183,8 +185,10 @@ class Origin:
         key = (type(node), grouped)
         origin = cls._by_type.get(key)
         if origin is None:
-            # Eager names the forward op: ExpBackward0 -> Exp.
-            name = re.sub(r"Backward\d*$", "", node.name())
+            # Eager names the forward op (ExpBackward0 -> Exp), before 2.13 the node.
+            name = node.name()
+            if torch_releases.MODIFIED_OUTPUT_NAMES_FORWARD_OP:
+                name = re.sub(r"Backward\d*$", "", name)
             origin = cls._by_type[key] = cls(name, tensor_attrs, grouped)
         return origin
 

@@ -1,0 +1,50 @@
+"""The torch releases gradfx supports, and every internal that differs between them.
+
+gradfx reads torch internals (node objects, hook dicts, saved variables).  Where
+those differ between supported releases, the difference is named here, once, with
+the release it belongs to; the rest of gradfx asks this module instead of comparing
+version numbers.  ``run/self_check.py`` probes the internals at the first capture of a
+process and falls back to the eager engine where one of them behaves otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Releases the test suite runs on (major, minor); others fall back to the eager engine.
+TESTED = ((2, 11), (2, 12), (2, 13), (2, 14))
+
+
+def _parse(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+RELEASE = _parse(torch.__version__)
+TESTED_RELEASE = RELEASE in TESTED
+
+# 2.13: a C++ node keeps its Python object for as long as the node lives, so the
+# object's id names the node.  2.11 and 2.12: the object is dropped with its last
+# Python reference and every later access (``grad_fn``, ``next_functions``) makes a
+# new one, so ids of node objects do not outlive a walk that holds them.  The node's
+# ``metadata`` dict, by contrast, is owned by the C++ node on every release.
+NODE_OBJECT_PERSISTS = RELEASE >= (2, 13)
+
+
+def node_token(node) -> int:
+    """A number that names ``node`` for as long as it lives (ids may be reused after).
+
+    Callers check a witness (type, sequence number) beside it, as for any id.
+    """
+    if NODE_OBJECT_PERSISTS:
+        return id(node)
+    return id(node.metadata)  # created on first read; lives with the C++ node
+
+
+# Eager's error words that gradfx repeats where it raises eager's errors itself.
+# 2.13: "The differentiated Tensor at index 1 appears to not have been used ...";
+# 2.11 and 2.12: "One of the differentiated Tensors appears to not have been used ...".
+UNUSED_INPUT_ERROR_NAMES_INDEX = RELEASE >= (2, 13)
+# 2.13: a saved output modified in place is "output 0 of Exp" (the forward op);
+# 2.11 and 2.12: "output 0 of ExpBackward0" (the node).
+MODIFIED_OUTPUT_NAMES_FORWARD_OP = RELEASE >= (2, 13)
