@@ -8,6 +8,7 @@ from .. import reorder
 from . import pipeline
 from .errors import Unsupported, _Fallback
 from .graph.walk import walk_backward
+from .run import self_check
 from .run.session import Session, check_dynamic, unused_input_message
 from .view import annotate
 from .view.captured_graph import CapturedGraph
@@ -61,6 +62,9 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=Non
         if any(isinstance(t, torch.Tensor) and not t.requires_grad for t in inputs):
             raise RuntimeError("One of the differentiated Tensors does not require grad")
     check_dynamic(dynamic)
+    refused = self_check.refusal()
+    if refused is not None:
+        raise Unsupported(refused)
     try:
         call = walk_backward(outputs, grads, inputs or (), accumulate=inputs is None)
     except _Fallback as fb:

@@ -9,12 +9,14 @@ class Unsupported(Exception):
 
 
 class FallbackWarning(UserWarning):
-    """Warned (once per block and reason) when a backward ran on the eager engine."""
+    """Warned (once per block and reason; once per process where the self-check failed)
+    when a backward ran on the eager engine."""
 
 
 class _Fallback(Exception):
     """Internal: this backward cannot be captured; `reason` says why."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, process_wide: bool = False):
         super().__init__(reason)
         self.reason = reason
+        self.process_wide = process_wide  # true of every backward in the process: warned once

@@ -24,10 +24,10 @@ from torch._C._functorch import is_legacy_batchedtensor as _is_legacy_batched
 
 from ... import backends, reorder
 from ...backends.identity import Key, callable_key
-from .. import pipeline
+from .. import pipeline, torch_releases
 from ..view import annotate
 from ..graph import fast_walk
-from . import continuation, counters, hook_ops, routing
+from . import continuation, counters, hook_ops, routing, self_check
 from .cache import Assumed, cache
 from ..view.captured_graph import CapturedGraph
 from ..errors import FallbackWarning, Unsupported, _Fallback
@@ -49,10 +49,14 @@ def check_dynamic(dynamic) -> None:
 
 
 def unused_input_message(index: int) -> str:
-    """torch.autograd.grad's error (torch 2.13's words) for an input nothing depends on."""
-    return (f"The differentiated Tensor at index {index} appears to not have been used in the graph. "
-            "Set allow_unused=True if this is the desired behavior.")
+    """torch.autograd.grad's error (in this release's words) for an input nothing depends on."""
+    which = f"The differentiated Tensor at index {index}" if torch_releases.UNUSED_INPUT_ERROR_NAMES_INDEX \
+        else "One of the differentiated Tensors"
+    return f"{which} appears to not have been used in the graph. Set allow_unused=True if this is the desired behavior."
 
+
+# Reasons that hold for the whole process (the self-check's) are warned once in it.
+_warned_in_process: set = set()
 
 # A structure's walker goes with its last cached graph.
 cache.on_forget.append(fast_walk.walkers.forget)
@@ -178,7 +182,7 @@ class Session:
             else:
                 entry, call = self._prepare(tensors, grad_tensors, inputs, accumulate_grad, create_graph, engine)
         except _Fallback as fb:
-            return self._fallback(engine, args, fb.reason)
+            return self._fallback(engine, args, fb.reason, fb.process_wide)
         results = self._run(entry, call, keep_graph)
         if not accumulate_grad:
             if entry.output_specs is not None:
@@ -193,6 +197,9 @@ class Session:
     def _prepare(self, tensors, grad_tensors, inputs, accumulate_grad, create_graph, engine):
         """Walk the graph and find (or capture) its compiled backward: (entry, call).
         Raises _Fallback for what gradfx does not capture."""
+        refused = self_check.refusal()
+        if refused is not None:
+            raise _Fallback(refused, process_wide=True)
         if torch.is_anomaly_enabled():
             raise _Fallback("anomaly detection is enabled")
         for t in tuple(tensors) + tuple(inputs or ()):
@@ -235,11 +242,12 @@ class Session:
                 return fast_walk.instantiate(walker.template, *found), walker.structure
         return None, None
 
-    def _fallback(self, engine, args, reason: str):
+    def _fallback(self, engine, args, reason: str, process_wide: bool = False):
         if self.strict:
             raise Unsupported(reason)
-        if reason not in self._warned:
-            self._warned.add(reason)
+        warned = _warned_in_process if process_wide else self._warned
+        if reason not in warned:
+            warned.add(reason)
             warnings.warn(f"gradfx: running this backward on the eager engine: {reason}",
                           FallbackWarning, stacklevel=_user_stacklevel())
         self._count("fallbacks")

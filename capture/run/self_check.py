@@ -1,0 +1,208 @@
+"""The self-check: before the first capture of a process, is this torch safe to capture on?
+
+gradfx reads torch internals: node objects and their hook dicts, saved variables and
+their version counters, ``_input_metadata``.  A release that changed one of them would
+make gradfx compute wrong gradients without a word (torch 2.11 did, for hooks on
+non-leaf tensors, before ``torch_releases`` knew of it).  So before anything is
+captured, a few tiny programs run twice, on the eager engine and through gradfx's own
+eager backend, and their gradients, hook calls and errors are compared bitwise.  On a
+release outside ``torch_releases.TESTED``, or where a probe differs, every backward of
+the process runs on the eager engine, with one ``FallbackWarning`` naming the release
+and the probe (``Unsupported`` in strict blocks and in ``gradfx.capture``).
+
+``GRADFX_ALLOW_UNTESTED_TORCH=1`` lets an untested release through when its probes
+agree (at the user's risk: the probes cover what gradfx reads, not every formula).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from .. import torch_releases
+
+log = logging.getLogger("gradfx")
+
+_verdict: str | None = None  # "" once the probes agreed, else why gradfx must not capture
+_lock = threading.RLock()
+_checking = threading.local()
+
+
+def refusal() -> str | None:
+    """Why this process must not capture (None: it may).  Runs the check once."""
+    verdict = _verdict
+    if verdict is None:
+        if getattr(_checking, "active", False):
+            return None  # the probes' own backwards
+        verdict = _decide()
+    return verdict or None
+
+
+def _decide() -> str:
+    global _verdict
+    with _lock:
+        if _verdict is None:
+            _checking.active = True
+            start = time.perf_counter()
+            try:
+                _verdict = _check()
+            finally:
+                _checking.active = False
+            seconds = time.perf_counter() - start
+            if _verdict:
+                log.info("gradfx: self-check failed in %.1f ms: %s", seconds * 1e3, _verdict)
+            else:
+                log.debug("gradfx: self-check of torch %s passed in %.1f ms", torch.__version__, seconds * 1e3)
+    return _verdict
+
+
+def _check() -> str:
+    release = "torch %s" % torch.__version__
+    if not torch_releases.TESTED_RELEASE and os.environ.get("GRADFX_ALLOW_UNTESTED_TORCH") != "1":
+        tested = ", ".join("%d.%d" % r for r in torch_releases.TESTED)
+        return (f"{release} is not a release gradfx was tested on ({tested}); "
+                "set GRADFX_ALLOW_UNTESTED_TORCH=1 to capture anyway where its self-check passes")
+    for name, probe in PROBES:
+        try:
+            with _apart():
+                expected = probe(_eager)
+                got = probe(_gradfx)
+            differs = _difference(expected, got)
+        except Exception as err:  # a probe that crashes under gradfx is a probe that fails
+            differs = f"{type(err).__name__}: {err}"
+        if differs:
+            return f"{release} failed gradfx's self-check, probe '{name}': {differs}"
+    return ""
+
+
+# -- running a probe ------------------------------------------------------------
+
+def _eager(fn):
+    """Run ``fn`` (which calls a backward API) on the eager engine."""
+    return fn()
+
+
+def _gradfx(fn):
+    """Run ``fn`` through gradfx's eager backend; strict: a fallback is a failure."""
+    from .session import Session
+    with Session("eager", dynamic=False, strict=True):
+        return fn()
+
+
+@contextlib.contextmanager
+def _apart():
+    """The probes leave nothing behind: no open block of the user's sees their backwards
+    (this thread's are set aside), and the cache, the walkers, the counters and the log
+    are the user's as they were."""
+    from ..graph import fast_walk
+    from . import counters, routing
+    from .cache import GraphCache, cache
+    blocks, routing._blocks.stack = routing._blocks.stack, []
+    kept_cache, kept_walkers = dict(vars(cache)), dict(vars(fast_walk.walkers))
+    kept_totals = dict(counters.totals)
+    GraphCache.__init__(cache, cache.max_size)
+    cache.on_forget = kept_cache["on_forget"]
+    type(fast_walk.walkers).__init__(fast_walk.walkers)
+    disabled, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = disabled
+        vars(cache).clear()
+        vars(cache).update(kept_cache)
+        vars(fast_walk.walkers).clear()
+        vars(fast_walk.walkers).update(kept_walkers)
+        counters.totals.update(kept_totals)
+        routing._blocks.stack = blocks
+
+
+def _difference(expected: list, got: list) -> str:
+    """'' if the two logs agree bitwise, else the first difference in words."""
+    if len(expected) != len(got):
+        labels = [e[0] for e in expected], [g[0] for g in got]
+        return f"eager logged {labels[0]}, gradfx {labels[1]}"
+    for (label, want), (label_got, have) in zip(expected, got):
+        if label != label_got:
+            return f"eager logged {label!r} where gradfx logged {label_got!r}"
+        if isinstance(want, torch.Tensor) or isinstance(have, torch.Tensor):
+            same = (isinstance(want, torch.Tensor) and isinstance(have, torch.Tensor) and want.dtype == have.dtype
+                    and want.shape == have.shape and torch.equal(want, have))
+        else:
+            same = want == have
+        if not same:
+            return f"{label}: eager {_show(want)}, gradfx {_show(have)}"
+    return ""
+
+
+def _show(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.detach().flatten()[:4].tolist()} ({value.dtype})"
+    return repr(value)
+
+
+def _raises(fn) -> str:
+    """What calling ``fn`` raised (the type), or 'no error'."""
+    try:
+        fn()
+    except Exception as err:
+        return type(err).__name__
+    return "no error"
+
+
+# -- the probes -------------------------------------------------------------------
+# Each takes `run` (_eager or _gradfx) and returns a log of (label, value): gradients,
+# hook calls in the order they happened, errors.  Values are fixed, not random.
+
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.save_for_backward(x)
+        ctx.k = k
+        return x * k
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * ctx.k + x, None
+
+
+def _probe_hooks(run) -> list:
+    """Tensor hooks on a leaf and a non-leaf, retain_grad, a post-accumulate hook, node
+    pre- and post-hooks, a custom Function, saved tensors taken over (validate_outputs
+    reads _input_metadata throughout): run twice keeping the graph (the second time by
+    the cached walker), a third time freeing it, and a fourth, which raises."""
+    events = []
+    note = lambda label, value: events.append((label, value.detach().clone()))  # noqa: E731
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    w = torch.tensor([0.25, -1.0, 2.0], requires_grad=True)
+    x.register_hook(lambda g: note("leaf hook of x", g))
+    x.register_post_accumulate_grad_hook(lambda t: note("post-accumulate hook of x", t.grad))
+    y = x * w
+    y.register_hook(lambda g: (note("hook of y", g), g * 3)[1])
+    y.retain_grad()
+    z = _Scaled.apply(y, 1.5).tanh()
+    z.grad_fn.register_prehook(lambda go: note("pre-hook of tanh", go[0]))
+    z.grad_fn.register_hook(lambda gi, go: note("post-hook of tanh", gi[0]))
+    loss = z.sum()
+    for keep in (True, True, False):
+        run(lambda: loss.backward(retain_graph=keep))
+    logged = list(events)  # eager runs the pre-hook of tanh before its error, gradfx raises first
+    again = _raises(lambda: run(loss.backward))
+    return logged + [("x.grad", x.grad), ("w.grad", w.grad), ("y.grad", y.grad), ("fourth backward", again)]
+
+
+def _probe_version_check(run) -> list:
+    """A backward through a saved tensor modified in place raises, nothing accumulated."""
+    c = torch.tensor([1.0, 2.0], requires_grad=True)
+    d = c.exp()
+    loss = d.sum()
+    d.mul_(3)
+    return [("in-place modified", _raises(lambda: run(loss.backward))), ("c.grad", c.grad)]
+
+
+PROBES = (("hooks", _probe_hooks), ("in-place version check", _probe_version_check))
