@@ -112,3 +112,23 @@ def _in_block(fn):
     with gradfx.compiled_autograd() as block:
         fn()
     assert block.stats["captures"] == 1
+
+
+def test_the_callers_thread_state_does_not_enter_the_probes(fresh_check):
+    # The first capture may come under no_grad, inference mode's exit, saved-tensor
+    # hooks or autocast of the caller: the probes run on their own thread.
+    model = torch.nn.Linear(3, 2)
+    loss = model(torch.randn(4, 3)).sum()
+    with torch.no_grad(), torch.autograd.graph.save_on_cpu(), torch.autocast("cpu"):
+        with gradfx.compiled_autograd() as block:
+            loss.backward()
+    assert block.stats["captures"] == 1 and self_check.refusal() is None
+
+
+def test_under_anomaly_mode_the_check_waits_for_a_later_capture(fresh_check):
+    loss = torch.nn.Linear(3, 2)(torch.randn(4, 3)).sum()
+    with torch.autograd.detect_anomaly(), pytest.warns(gradfx.FallbackWarning, match="anomaly"):
+        with gradfx.compiled_autograd():
+            loss.backward()
+    assert self_check._verdict is None
+    assert self_check.refusal() is None and self_check._verdict == ""

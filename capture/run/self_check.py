@@ -39,6 +39,8 @@ def refusal() -> str | None:
     if verdict is None:
         if getattr(_checking, "active", False):
             return None  # the probes' own backwards
+        if torch.is_anomaly_enabled():
+            return None  # undecided: blocks fall back under anomaly mode; checked at a later capture
         verdict = _decide()
     return verdict or None
 
@@ -47,12 +49,8 @@ def _decide() -> str:
     global _verdict
     with _lock:
         if _verdict is None:
-            _checking.active = True
             start = time.perf_counter()
-            try:
-                _verdict = _check()
-            finally:
-                _checking.active = False
+            _verdict = _check()
             seconds = time.perf_counter() - start
             if _verdict:
                 log.info("gradfx: self-check failed in %.1f ms: %s", seconds * 1e3, _verdict)
@@ -67,16 +65,26 @@ def _check() -> str:
         tested = ", ".join("%d.%d" % r for r in torch_releases.TESTED)
         return (f"{release} is not a release gradfx was tested on ({tested}); "
                 "set GRADFX_ALLOW_UNTESTED_TORCH=1 to capture anyway where its self-check passes")
+    # On a thread of their own, the probes see none of the caller's thread state: its
+    # gradfx blocks, grad and inference mode, autocast, dispatch modes, saved-tensor hooks.
+    found = []
+    worker = threading.Thread(target=lambda: found.append(_run_probes()), name="gradfx-self-check")
+    with _apart():
+        worker.start()
+        worker.join()
+    return f"{release} failed gradfx's self-check, {found[0]}" if found and found[0] else ""
+
+
+def _run_probes() -> str:
+    """'' if every probe agrees, else which one differs and how."""
+    _checking.active = True
     for name, probe in PROBES:
         try:
-            with _apart():
-                expected = probe(_eager)
-                got = probe(_gradfx)
-            differs = _difference(expected, got)
+            differs = _difference(probe(_eager), probe(_gradfx))
         except Exception as err:  # a probe that crashes under gradfx is a probe that fails
             differs = f"{type(err).__name__}: {err}"
         if differs:
-            return f"{release} failed gradfx's self-check, probe '{name}': {differs}"
+            return f"probe '{name}': {differs}"
     return ""
 
 
@@ -96,13 +104,12 @@ def _gradfx(fn):
 
 @contextlib.contextmanager
 def _apart():
-    """The probes leave nothing behind: no open block of the user's sees their backwards
-    (this thread's are set aside), and the cache, the walkers, the counters and the log
-    are the user's as they were."""
+    """The probes leave nothing behind: the cache, the walkers, the counters and the log
+    are the user's as they were.  (Every other thread that would capture waits for the
+    verdict meanwhile, so none of them meets the probes' cache.)"""
     from ..graph import fast_walk
-    from . import counters, routing
+    from . import counters
     from .cache import GraphCache, cache
-    blocks, routing._blocks.stack = routing._blocks.stack, []
     kept_cache, kept_walkers = dict(vars(cache)), dict(vars(fast_walk.walkers))
     kept_totals = dict(counters.totals)
     GraphCache.__init__(cache, cache.max_size)
@@ -118,7 +125,6 @@ def _apart():
         vars(fast_walk.walkers).clear()
         vars(fast_walk.walkers).update(kept_walkers)
         counters.totals.update(kept_totals)
-        routing._blocks.stack = blocks
 
 
 def _difference(expected: list, got: list) -> str:
