@@ -48,3 +48,18 @@ UNUSED_INPUT_ERROR_NAMES_INDEX = RELEASE >= (2, 13)
 # 2.13: a saved output modified in place is "output 0 of Exp" (the forward op);
 # 2.11 and 2.12: "output 0 of ExpBackward0" (the node).
 MODIFIED_OUTPUT_NAMES_FORWARD_OP = RELEASE >= (2, 13)
+
+# 2.11's CUDA build on a machine without a GPU: the first FakeTensorMode entered inside
+# a capture, once another thread has started (the self-check's does), crashes the
+# process (SIGSEGV in c10::impl::ensureCUDADeviceGuardSet, which that entry calls);
+# one entered before, outside any capture, does not.  2.12 and later: no crash.
+FAKE_MODE_ENTERED_BEFORE_THREADS = RELEASE < (2, 12)
+
+
+def before_first_capture() -> None:
+    """What a release needs done once per process before its first capture (on the
+    thread of that capture, before the self-check starts its thread)."""
+    if FAKE_MODE_ENTERED_BEFORE_THREADS:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode():
+            pass

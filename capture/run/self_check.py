@@ -67,6 +67,7 @@ def _check() -> str:
                 "set GRADFX_ALLOW_UNTESTED_TORCH=1 to capture anyway where its self-check passes")
     # On a thread of their own, the probes see none of the caller's thread state: its
     # gradfx blocks, grad and inference mode, autocast, dispatch modes, saved-tensor hooks.
+    torch_releases.before_first_capture()
     found = []
     worker = threading.Thread(target=lambda: found.append(_run_probes()), name="gradfx-self-check")
     with _apart():
