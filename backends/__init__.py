@@ -90,14 +90,15 @@ class CompileFailedAtRun(Exception):
         self.error = err
 
 
-def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list) -> Callable:
+def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list, plain: bool = False) -> Callable:
     """Compile ``gm`` with a backend (two-argument protocol, or one-argument).
 
     gradfx's own backends take the graph as captured; every other backend gets
     the form compilers trace whole (``traceable``), and the callable it returns
-    is called through the adapter of that form's inputs.
+    is called through the adapter of that form's inputs.  ``plain``: every backend
+    gets the graph as captured (create_graph graphs: the traced form drops history).
     """
-    if getattr(fn, "_gradfx_plain_graph", False):
+    if plain or getattr(fn, "_gradfx_plain_graph", False):
         return _call(fn, gm, example_inputs)
     from .traceable import prepare
     traced_gm, adapt = prepare(gm, example_inputs)

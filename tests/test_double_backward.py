@@ -5,6 +5,7 @@ iterations; every gradient of both orders, what requires grad and the grad_fn
 types of the first-order results are compared with eager.
 """
 
+import contextlib
 import copy
 import subprocess
 import sys
@@ -220,3 +221,28 @@ print([(type(c.message).__name__, str(c.message).split(" (Triggered")[0], c.file
                            timeout=300).stdout for use in (False, True)]
     assert outs[0] and outs[0] == outs[1]
     assert "reference cycle" in outs[0] and outs[0].count("UserWarning") == 1
+
+
+def test_a_users_backend_compiles_create_graph_graphs():
+    # Its code records history (the graph's own Python here): both orders bitwise eager.
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(len(gm.graph.nodes))
+        return gm.forward
+
+    expected = hvp(lambda: contextlib.nullcontext())
+    gradfx.reset()
+    got = hvp(lambda: gradfx.compiled_autograd(backend=backend, strict=True))
+    _same(expected, got)
+    assert len(compiled) == 2  # the create_graph graph and the plain one (cached after)
+
+
+def test_built_in_compilers_run_create_graph_graphs_on_the_eager_backend(caplog):
+    expected = hvp(lambda: contextlib.nullcontext())
+    gradfx.reset()
+    with caplog.at_level("INFO", logger="gradfx"):
+        got = hvp(lambda: gradfx.compiled_autograd(backend="aot_eager", strict=True))
+    _same(expected[:4], got[:4])  # the create_graph gradients: the eager backend's, bitwise
+    said = [r for r in caplog.records if "create_graph backwards run on the eager backend" in r.getMessage()]
+    assert len(said) == 1  # at its compile (the later iterations are cache hits)

@@ -330,7 +330,7 @@ class Session:
             log.debug("gradfx: size relations failed", exc_info=True)
             return {p: p for p in positions}
 
-    def _compile(self, gm: fx.GraphModule, example_inputs: list):
+    def _compile(self, gm: fx.GraphModule, example_inputs: list, plain: bool = False):
         """(compiled callable, None), or (eager stand-in, reason) if the backend failed.
 
         A compile function that raises or returns something not callable fails here,
@@ -341,7 +341,7 @@ class Session:
         self._count("compiles")
         failed = None
         try:
-            compiled = backends.compile_with(self.backend_fn, gm, example_inputs)
+            compiled = backends.compile_with(self.backend_fn, gm, example_inputs, plain)
             if not callable(compiled):
                 raise TypeError(f"it returned {type(compiled).__name__} ({_short(compiled)}), not a callable")
         except Exception as err:
@@ -355,16 +355,22 @@ class Session:
         return compiled, failed
 
     def _compile_with_history(self, gm: fx.GraphModule, example_inputs: list):
-        """A create_graph graph runs on the eager backend, whatever the block's backend.
+        """A create_graph graph goes to the block's backend as captured (the form the eager
+        backend runs: gradfx's runtime calls accumulate and call custom backwards with grad
+        mode on); the backend's code must record autograd history, for the backward
+        through the gradients it returns.
 
-        Its gradients must carry autograd history for a further backward: compilers
-        build inference code (the built-in inductor and aot_eager), and AOTAutograd's
-        training path would hide the history behind one node that has no backward of
-        its own (a third order fails).
+        gradfx's own inductor and aot_eager build inference code (and AOTAutograd's
+        training path would hide the history behind one node that has no backward of its
+        own: a third order fails), so their create_graph graphs run on the eager backend,
+        said once per block.
         """
+        if not _builds_inference_code(self.backend_fn):
+            return self._compile(gm, example_inputs, plain=True)
         self._count("compiles")
-        if self.backend_fn is not backends.builtin.eager:
-            log.info("gradfx: a create_graph backward runs on the eager backend (backend %s builds code "
+        if "create_graph" not in self._warned:
+            self._warned.add("create_graph")
+            log.info("gradfx: create_graph backwards run on the eager backend (backend %s builds code "
                      "without autograd history)", self.backend_name)
         return backends.compile_with(backends.builtin.eager, gm, example_inputs), None
 
@@ -455,6 +461,11 @@ class Session:
                 if owned[i] is not None:
                     owned[i].release()
         return out
+
+
+def _builds_inference_code(backend_fn) -> bool:
+    """Is this one of gradfx's built-in compiling backends (code without autograd history)?"""
+    return any(backend_fn is backends.lookup(name)[1] for name in ("inductor", "aot_eager"))
 
 
 def _grad_inputs(call: BackwardCall) -> frozenset | None:
