@@ -25,6 +25,17 @@ from typing import Callable
 
 RULES: dict[str, Callable] = {}
 
+# Rules for formulas that read state their node hides from Python (cat's input sizes):
+# node name -> (recover, rule).  ``recover(node, out, inputs, observed)`` rebuilds that
+# state from the input metadata of the node (``out``) and of its next nodes (``inputs``,
+# per next edge: what went in on it, None where the walk read no node for it), each as
+# (shape, dtype) with the shape as the walk's size list holds it (symbolic where it is),
+# so the cache guards what it recovers; ``observed``: post-hooks see the node's outputs,
+# those of edges without a node too.  It returns None where the metadata does not
+# determine the state (the node then runs as itself).  The tracer calls
+# ``rule(recovered, *grads)``, statically and symbolically alike.
+HIDDEN_RULES: dict[str, tuple[Callable, Callable]] = {}
+
 # Node types whose C++ formula computes differently while being traced, so the
 # graph calls the real node instead (bitwise eager by construction).  Their
 # formulas branch on ``isTensorSubclassLike``, which is true whenever a dispatch
@@ -34,7 +45,6 @@ RULES: dict[str, Callable] = {}
 RUN_REAL: dict[str, str] = {
     # Formulas that read saved state Python cannot see: a traced graph would bake it
     # in while the cache key, built from what Python sees, stayed the same.
-    "CatBackward0": "cat_tensors_backward reads every input's size, hidden in C++",
     "CopySlices": "reads the base and view geometry and a wrapped node, hidden in C++",
     "AsStridedBackward0": "reads the input's geometry (its storage offset), hidden in C++",
     "AsStridedBackward0_copy": "as AsStridedBackward0 (as_strided_copy)",
@@ -70,6 +80,14 @@ def rule(node_name: str):
     """Register a backward rule for autograd nodes named ``node_name``."""
     def add(fn):
         RULES[node_name] = fn
+        return fn
+    return add
+
+
+def hidden_rule(node_name: str, recover: Callable):
+    """Register a rule whose node hides what it reads (see ``HIDDEN_RULES``)."""
+    def add(fn):
+        HIDDEN_RULES[node_name] = (recover, fn)
         return fn
     return add
 

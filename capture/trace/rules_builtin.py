@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .rules import reshape_groups, rule
+from .rules import hidden_rule, reshape_groups, rule
 
 aten = torch.ops.aten
 INT64_MAX = 2**63 - 1
@@ -319,3 +319,71 @@ def embedding_backward0(saved, grad):
     return (aten.embedding_backward.default(
         grad, saved.indices, saved.weight_sym_argsize_0, _i64(saved.padding_idx),
         saved.scale_grad_by_freq, saved.sparse),)
+
+
+def _legacy_empty(shape) -> bool:
+    """A 1-D tensor of no elements: cat skips it (a legacy rule) whatever the dim."""
+    return len(shape) == 1 and shape[0] == 0
+
+
+def _cat_inputs(node, out, inputs, observed):
+    """What cat_tensors_backward reads of each input, from metadata: (dim, per input its
+    size along dim (None: a legacy empty tensor) and dtype (None: its gradient goes
+    unseen)), or None where the metadata leaves that open.
+
+    An input that needs no grad has no next node to describe it: alone, it holds what
+    the others leave of the output's size.  The sizes must add up to the output's: a
+    tensor whose shape changed after its node recorded it (``.data``) would not.
+    """
+    (out_shape, out_dtype), ndim = out, len(out[0])
+    dim = _wrap(_i64(node._saved_dim), ndim)
+    if not 0 <= dim < ndim:  # a cat of legacy empty tensors alone keeps any dim
+        return None
+    pieces, known, unknown = [], 0, []
+    for k, meta in enumerate(inputs):
+        if meta is None:
+            unknown.append(k)
+            pieces.append(None)
+            continue
+        shape, dtype = meta
+        if _legacy_empty(shape):
+            pieces.append((None, dtype))
+        elif len(shape) != ndim:
+            return None
+        else:
+            pieces.append((shape[dim], dtype))
+            known = known + shape[dim]
+    rest = out_shape[dim] - known
+    if not unknown:
+        return (dim, pieces) if rest == 0 else None  # size branch
+    if len(unknown) > 1 or rest < 0:  # size branch
+        return None
+    # A post-hook sees its gradient too: open where it may be a legacy empty tensor's, or
+    # where the gradient is complex (its own dtype picks real or complex).
+    if observed and (rest == 0 or out_dtype.is_complex):  # size branch
+        return None
+    pieces[unknown[0]] = (rest, out_dtype if observed else None)
+    return dim, pieces
+
+
+@hidden_rule("CatBackward0", _cat_inputs)
+def cat_backward0(recovered, grad):
+    """cat_tensors_backward: each input's part of grad along dim (of its real part for a
+    real input of a complex cat); a legacy empty input gets zeros((0,)) and no part."""
+    dim, pieces = recovered
+    if grad is None:
+        return (None,) * len(pieces)
+    real = torch.real(grad) if grad.is_complex() else None
+    out, offset = [], 0
+    for size, dtype in pieces:
+        if dtype is None:  # an input without a next node whose gradient nobody sees
+            out.append(None)
+            offset = offset + size
+            continue
+        source = real if real is not None and not dtype.is_complex else grad
+        if size is None:
+            out.append(torch.zeros((0,), dtype=source.dtype, device=source.device))
+            continue
+        out.append(source.narrow(dim, offset, size))
+        offset = offset + size
+    return tuple(out)

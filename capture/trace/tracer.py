@@ -36,7 +36,7 @@ from ..run import hook_ops, runtime_ops
 from . import engine_loop, fast_ops, plain_layout, sym_memo
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
-from .rules import RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
+from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
 from .shapes import SymbolicSizes
 from ..graph.saved import substitute, substituted
 from ..graph.kinds import ACCUMULATE, type_info
@@ -119,6 +119,7 @@ class _Tracer:
         self.kinds = call.kinds  # the loop turns a node opaque here when it cannot be traced
         self.frontiers: list = []  # per require_gradients call: where the graph may stop
         self.placeholder_values: list = []  # per runtime input: its fake, or the value itself
+        self.recovered: dict = {}  # node index -> what its hidden rule recovered (None: runs real)
 
     # -- inputs --------------------------------------------------------------
     def placeholders(self):
@@ -265,9 +266,38 @@ class _Tracer:
         dtype = node.variable.grad_dtype if self.call.records[i].kind is ACCUMULATE else m.dtype
         if self.symbolic is None:
             return tuple(m.shape), dtype, m.device
-        start = self.call.records[i].meta_start + sum(
-            len(m.shape) for m in self.call.nodes[i]._input_metadata[:nr])
-        return tuple(self.symbolic.values(start, len(m.shape))), dtype, m.device
+        return tuple(self.symbolic.values(self.meta_start(i, nr), len(m.shape))), dtype, m.device
+
+    def meta_start(self, i, nr):
+        """Where input ``nr`` of node ``i``'s metadata shape starts in the sizes (None if
+        the walk read none of that node's: a node autograd.grad does not run)."""
+        start = self.call.records[i].meta_start
+        if start is None:
+            return None
+        return start + sum(len(m.shape) for m in self.call.nodes[i]._input_metadata[:nr])
+
+    def walked_meta(self, i, nr):
+        """(shape, dtype) of input ``nr`` of node ``i`` with the shape as the size list
+        holds it (symbolic where it is: what the guard checks), or None where the walk
+        read none."""
+        start = self.meta_start(i, nr)
+        if start is None:
+            return None
+        m = self.call.nodes[i]._input_metadata[nr]
+        n = len(m.shape)
+        shape = self.symbolic.values(start, n) if self.symbolic is not None else self.call.sizes[start:start + n]
+        return tuple(shape), m.dtype
+
+    def recover(self, i):
+        """What node ``i``'s hidden rule reads, rebuilt from metadata (rules.HIDDEN_RULES),
+        once per trace; None where the metadata does not determine it."""
+        if i not in self.recovered:
+            node, rec = self.call.nodes[i], self.call.records[i]
+            inputs = [None if e is None else self.walked_meta(*e) for e in rec.edges]
+            observed = rec.hooks is not None and bool(rec.hooks.post)
+            recover = HIDDEN_RULES[type(node).__name__][0]
+            self.recovered[i] = recover(node, self.walked_meta(i, 0), inputs, observed)
+        return self.recovered[i]
 
     def proxy(self, x):
         return get_proxy_slot(x, self.tracer).proxy
@@ -405,7 +435,7 @@ class _Tracer:
         checked = tuple(k for k, g in enumerate(inputs) if g is not None and id(g) in self.maybe_none)
         if not checked:
             return inputs
-        if self.runs_real(self.call.nodes[i]):
+        if self.runs_real(i):
             return inputs  # the real node takes None
         none = tuple(k for k in checked if (i, k) in self.assumed_none)
         defined = tuple(k for k in checked if k not in none)
@@ -438,25 +468,32 @@ class _Tracer:
         return frontier, carry
 
     # -- running one node ----------------------------------------------------
-    def runs_real(self, node) -> bool:
-        """Does the node run as itself, never traced?  Builtin nodes ``rules`` lists, and
-        with create_graph a custom Function's backward (tracing would lose what it builds
-        for a further backward: Functions it applies, once_differentiable)."""
+    def runs_real(self, i) -> bool:
+        """Does node ``i`` run as itself, never traced?  Builtin nodes ``rules`` lists, those
+        whose hidden state it cannot recover, and with create_graph a custom Function's
+        backward (tracing would lose what it builds for a further backward: Functions it
+        applies, once_differentiable)."""
+        node = self.call.nodes[i]
         if isinstance(node, BackwardCFunction):
             return self.call.create_graph
         name = type(node).__name__
+        if name in HIDDEN_RULES:
+            return self.recover(i) is None
         return name in RUN_REAL or (self.call.create_graph and name in RUN_REAL_WITH_HISTORY)
 
     def run_traced(self, i, node, grads):
-        if self.runs_real(node):
+        if self.runs_real(i):
             log.debug("gradfx: %s runs opaque", self.call.node_label(i))
             return None
         graph = self.tracer.graph
         before = (graph._root.prev, len(self.shape_env.guards))
         try:
             out = None
+            hidden = HIDDEN_RULES.get(type(node).__name__)
+            if hidden is not None:  # the node's own formula would bake in what no guard checks
+                out = hidden[1](self.recover(i), *grads)
             # Rules are written for tensors; with a None gradient the node itself runs (as eager).
-            if self.symbolic is not None and all(g is not None for g in grads):
+            elif self.symbolic is not None and all(g is not None for g in grads):
                 out = apply_rule(node, grads, _SymbolicSaved(node, i, self))
             if out is None:
                 if self.symbolic is not None and type(node).__name__ in LAYOUT_ONLY_GUARDS:
@@ -472,7 +509,7 @@ class _Tracer:
     def run_function(self, i, ctx, grads):
         """Trace a traceable custom Function's backward; None if it cannot run on fakes
         (or runs as itself: runs_real)."""
-        if self.runs_real(ctx):
+        if self.runs_real(i):
             return None
         graph = self.tracer.graph
         before = (graph._root.prev, len(self.shape_env.guards))
