@@ -6,15 +6,18 @@ import copy
 import functools
 import logging
 import time
+import warnings
 
 import torch
 import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
+from ..capture.errors import FallbackWarning
+from ..capture.run import counters
 from ..capture.run.runtime_ops import accumulate_grad, accumulate_grad_unchecked
 from ..reorder.memory import frees_inputs_early
 from . import register_backend, takes_plain_graph
-from .split import runner, split
+from .split import MIN_OPS, aten_work, partition, runner
 
 log = logging.getLogger("gradfx")
 
@@ -89,20 +92,28 @@ def _direct(op: torch._ops.OpOverload):
 
 
 def _functionalized(pure: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
+    # Views stay views: a region's outputs keep eager's layouts, which the regions after
+    # it were compiled for and which accumulate_grad's steal needs.
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
-    return make_fx(torch.func.functionalize(pure, remove="mutations_and_views"),
+    return make_fx(torch.func.functionalize(pure, remove="mutations"),
                    decomposition_table=select_decomp_table(), tracing_mode="fake")(*example_inputs)
 
 
-def _split_backend(name: str, compile_pure):
+def _split_backend(name: str, compile_region):
+    """A backend that compiles each pure region of a graph with
+    ``compile_region(region_gm, example_inputs)`` and runs the rest as Python
+    (:mod:`.split`)."""
     def backend(gm: fx.GraphModule, example_inputs: list):
-        parts = split(gm)
-        if parts is None:
-            log.info("gradfx: backend %s runs this graph on the eager backend (it calls hooks or "
-                     "opaque nodes, which stay in Python)", name)
-            return eager(gm, example_inputs)
-        return runner(parts, compile_pure, example_inputs, eager(gm, example_inputs)._boxed, name)
+        pieces = partition(gm.graph)
+        if any(compiled for compiled, _ in pieces):
+            return runner(gm, pieces, compile_region, example_inputs, eager, name)
+        if any(map(aten_work, gm.graph.nodes)):  # else there is nothing to compile
+            warnings.warn(f"gradfx: backend {name!r} runs a backward graph uncompiled (on the eager backend): its "
+                          f"hooks, opaque calls or checks leave no run of {MIN_OPS} or more aten ops to compile",
+                          FallbackWarning)
+            counters.note("uncompiled")
+        return eager(gm, example_inputs)
     backend.__name__ = name
     return takes_plain_graph(backend)
 

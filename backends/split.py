@@ -1,19 +1,26 @@
-"""Split a captured graph into a pure aten part and its leaf accumulations.
+"""Cut a captured graph into compiled pure regions and the Python run between them.
 
-Compilers such as inductor want pure tensor programs; a captured backward also
-writes ``.grad`` through ``accumulate_grad`` calls.  Handing the whole graph to
-``torch.compile`` makes dynamo break the graph at every one of those calls
-(measured: 14 graph breaks on a 4-layer MLP, 1.2-3x slower than eager).  Instead:
+Compilers such as inductor want pure tensor programs; a captured backward also calls
+Python: ``accumulate_grad`` (writes ``.grad``), hooks, autograd nodes run opaquely,
+custom Functions' backwards, checks.  Handing the whole graph to ``torch.compile``
+makes dynamo break the graph at every one of those calls (measured: 14 graph breaks
+on a 4-layer MLP, 1.2-3x slower than eager).  Instead the graph's nodes are cut, in
+their order (eager's), into
 
-1. the pure part (every op except the accumulations) becomes its own graph that
-   returns the gradients to accumulate and the graph's outputs; a backend
-   compiles that;
-2. a small Python epilogue accumulates the gradients in the original order, with
-   ``accumulate_grad``'s own semantics (steal, copy into the layout, add in place).
+* regions: maximal runs of pure nodes (aten ops, their getitems, size arithmetic)
+  between two Python calls other than accumulations, each compiled on its own by the
+  backend's compile function;
+* Python: every other node, run as the eager backend's generated code.
 
-Moving the accumulations after the pure part cannot be observed: nothing in the
-graph reads ``.grad`` (graphs with hooks or opaque calls, which could, are not
-split and run on the eager backend).
+Only accumulations move: each runs right after the region it falls in, in its order,
+before the next Python call.  Pure ops read no ``.grad``, so only Python could tell
+(a post-accumulate-grad hook reads other leaves' ``.grad``).  Pure ops never move
+across a Python call: a hook or a custom backward may change a tensor in place, and
+what else reads it (through a view too) is not in the graph's edges.  Where the graph
+has Python calls, runs of fewer than ``MIN_OPS`` aten ops (views not counted) stay in
+Python: compiling them would cost a compile each and gain nothing.  A graph whose only
+Python calls are accumulations is one region, compiled whatever its size, with its
+accumulations after it.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ import logging
 import operator
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -30,133 +36,253 @@ from torch.utils import _pytree as pytree
 
 from ..capture.errors import FallbackWarning
 from ..capture.run import counters
-from ..capture.run.runtime_ops import accumulate_grad_unchecked
-from ..capture.trace.kinds import SIDE_EFFECTS, kind_of
+from ..capture.trace.kinds import has_side_effect, kind_of
+from ..reorder.memory import free_inputs_early
 
 log = logging.getLogger("gradfx")
 
+MIN_OPS = 3
 
-@dataclass
-class Split:
-    pure: fx.GraphModule  # inputs (a subset of the graph's) -> (*grads, *outputs)
-    used_inputs: list[int]  # positions of the pure graph's inputs among the graph's
-    accumulations: list[tuple[int, int, bool]]  # (leaf input position, grad index, may steal)
-    n_grads: int
-    out_spec: object
-    n_outputs: int
+_SIZE_MATH = (operator.mul, operator.add, operator.sub, operator.floordiv, operator.mod)
 
 
-def _pure(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) or node.target in (
-        operator.getitem, operator.mul, operator.add, operator.sub, operator.floordiv, operator.mod)
+def _pure(node: fx.Node, pure: set) -> bool:
+    if node.op != "call_function" or has_side_effect(node):  # has_side_effect: in-place ops too
+        return False
+    if node.target is operator.getitem:
+        return node.args[0] in pure  # a Python call's tuple is unpacked in Python
+    return isinstance(node.target, torch._ops.OpOverload) or node.target in _SIZE_MATH
 
 
-def split(gm: fx.GraphModule) -> Split | None:
-    """The split of ``gm``, or None if it has side effects other than accumulations."""
+def aten_work(node: fx.Node) -> bool:
+    """Is the node an aten op that computes (not a view)?"""
+    return isinstance(node.target, torch._ops.OpOverload) and not node.target.is_view
+
+
+def partition(graph: fx.Graph) -> list[tuple[bool, list[fx.Node]]]:
+    """The graph's calls as ``(compile?, nodes)`` pieces, in the order they run."""
+    calls = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    pure: set = set()
+    for node in calls:
+        if _pure(node, pure):
+            pure.add(node)
+    only_accumulations = all(n in pure or kind_of(n) == "accumulate" for n in calls)
+    pieces: list = []
+    run: list = []  # pure nodes and accumulations since the last other Python call
+
+    def python(nodes):
+        if not nodes:
+            return
+        if pieces and not pieces[-1][0]:
+            pieces[-1][1].extend(nodes)
+        else:
+            pieces.append((False, list(nodes)))
+
+    def end_run():
+        region = [n for n in run if n in pure]
+        if region and (only_accumulations or sum(map(aten_work, region)) >= MIN_OPS):
+            pieces.append((True, region))
+            python([n for n in run if n not in pure])  # the accumulations, right after
+        else:
+            python(run)
+        run.clear()
+
+    for node in calls:
+        if node in pure or kind_of(node) == "accumulate":
+            run.append(node)
+        else:
+            end_run()
+            python([node])
+    end_run()
+    return pieces
+
+
+def _subgraph(gm: fx.GraphModule, nodes: list, inputs: list, outputs: list) -> fx.GraphModule:
+    """``nodes`` as a graph of their own, taking ``inputs`` and returning ``outputs``;
+    marked to free each input at its last use (boxed)."""
+    graph, env = fx.Graph(), {}
+    for a in inputs:
+        env[a] = graph.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(tuple(env[n] for n in outputs))
+    free_inputs_early(graph)
+    return fx.GraphModule(gm, graph)
+
+
+def _concrete(x, symbols: dict):
+    return int(x.node.expr.xreplace(symbols)) if isinstance(x, torch.SymInt) else x
+
+
+def _symbolic(val) -> bool:
+    """Might a region taking this traced value need other code for other sizes?"""
+    if isinstance(val, torch.Tensor):
+        return not all(type(s) is int for s in (*val.shape, *val.stride()))
+    return not isinstance(val, (int, float))  # a SymInt, or nothing traced
+
+
+def _example(node: fx.Node, symbols: dict):
+    """A stand-in for a value the graph computes, from its traced value: same shape,
+    strides, dtype and device, for a compiler to specialize on (not run on)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return torch.empty_strided([_concrete(s, symbols) for s in val.shape],
+                                   [_concrete(s, symbols) for s in val.stride()], dtype=val.dtype, device=val.device)
+    if isinstance(val, (int, float, torch.SymInt)):
+        return _concrete(val, symbols)
+    raise TypeError(f"no traced value of {node.name} to compile a region for")
+
+
+class _Graph:
+    """What the regions of one graph share: the backend, and whether the graph has said
+    that part of it runs uncompiled (once: it is one graph)."""
+
+    def __init__(self, compile_region, python_code, name: str, part: str):
+        self.compile_region, self.python_code, self.name = compile_region, python_code, name
+        self.part = part  # what the log calls a region
+        self.warned = False
+
+    def uncompiled(self, err: Exception) -> None:
+        if self.warned:
+            log.debug("gradfx: backend %s failed to compile another region", self.name, exc_info=err)
+            return
+        self.warned = True
+        warnings.warn(f"gradfx: backend {self.name!r} failed to compile a region of a backward for new sizes or "
+                      f"strides ({type(err).__name__}: {err}); that region runs uncompiled", FallbackWarning)
+        counters.note("uncompiled")
+
+
+class _Region:
+    """A compiled region: code per key (the graph's sizes where they matter, and the
+    strides or values of its inputs the graph computes: a hook may return any layout).
+    A key whose compile fails runs the region's Python."""
+
+    def __init__(self, gm: fx.GraphModule, computed: list[int], sized: bool, graph: _Graph):
+        self.gm, self.computed, self.sized, self.graph = gm, computed, sized, graph
+        self.python = None
+        self.compiled: dict = {}
+
+    def key(self, sub: list, sizes: tuple) -> tuple:
+        computed = tuple(x.stride() if isinstance(x, torch.Tensor) else x for x in map(sub.__getitem__, self.computed))
+        return sizes + computed if self.sized else computed
+
+    def compile(self, examples: list):
+        with torch.no_grad():
+            return self.graph.compile_region(self.gm, [a.detach() if isinstance(a, torch.Tensor) else a
+                                                       for a in examples])
+
+    def compile_on_run(self, sub: list, key: tuple):
+        start = time.perf_counter()
+        try:
+            fn = self.compile(sub)
+        except Exception as err:
+            self.graph.uncompiled(err)
+            fn = False
+        self.compiled[key] = fn
+        if len(self.compiled) > 1:
+            counters.note_recompile(self.graph.name, len(self.gm.graph.nodes), time.perf_counter() - start, key,
+                                    next(iter(self.compiled)), len(self.compiled), self.graph.part)
+        return fn
+
+    def __call__(self, sub: list, sizes: tuple):
+        key = self.key(sub, sizes)
+        fn = self.compiled.get(key)
+        if fn is None:
+            fn = self.compile_on_run(sub, key)
+        if fn is False:
+            if self.python is None:
+                self.python = self.graph.python_code(self.gm, [])._boxed
+            return self.python(sub)
+        return fn(sub)
+
+
+def runner(gm: fx.GraphModule, pieces: list, compile_region, example_inputs: list, python_code, name: str):
+    """A boxed callable that runs ``pieces`` (see :func:`partition`) in order.
+
+    ``compile_region(region_gm, example_inputs) -> fn(list) -> outputs`` compiles code
+    specialized to its inputs' shapes: each region once now, for the graph's example
+    inputs and stand-ins for the values it takes from the graph (:func:`_example`), and
+    again on a run that meets other sizes (the graph's size inputs, the leading int
+    placeholders; none in a static graph) or other strides of those values.  A compile
+    now that fails is the backend's failure (gradfx warns and uses the eager backend, or
+    raises ``Unsupported`` in strict mode).  A compile on a run happens after Python of
+    the graph has run, so its region then runs uncompiled (``python_code``: the eager
+    backend) with a warning, counted as ``uncompiled``.  Compiles on a run count as
+    ``recompiles`` and are logged, so that a cache hit that takes seconds says why.
+
+    Values live in a list of slots, each cleared before the piece that uses it last
+    runs: that piece is then its only owner and frees it at its last use (saved
+    tensors as the eager engine does), and ``accumulate_grad`` may steal it.
+    """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    position = {n: k for k, n in enumerate(placeholders)}
-    accumulations, grads, acc_nodes = [], [], set()
-    for node in graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.op != "call_function":
-            return None
-        kind = kind_of(node)
-        if kind == "accumulate":
-            leaf, grad, steal = node.args
-            if node.users or leaf.op != "placeholder":
-                return None
-            accumulations.append((position[leaf], len(grads), bool(steal)))
-            grads.append(grad)
-            acc_nodes.add(node)
-        elif kind in SIDE_EFFECTS or not _pure(node):
-            return None
-    output = next(n for n in graph.nodes if n.op == "output")
-    outputs, spec = pytree.tree_flatten(output.args[0])
-
-    body = [n for n in graph.nodes if n.op not in ("placeholder", "output") and n not in acc_nodes]
-    needed = {a for n in body for a in n.all_input_nodes if a.op == "placeholder"}
-    needed |= {a for a in grads + outputs if isinstance(a, fx.Node) and a.op == "placeholder"}
-    pure, env, used = fx.Graph(), {}, []
-    for node in placeholders:
-        if node in needed:
-            env[node] = pure.placeholder(node.name)
-            env[node].meta = dict(node.meta)
-            used.append(position[node])
-    for node in body:
-        env[node] = pure.node_copy(node, lambda a: env[a])
-    value = lambda a: env[a] if isinstance(a, fx.Node) else a  # noqa: E731
-    pure.output(tuple(value(a) for a in grads + outputs))
-    # A gradient used by two accumulations cannot be stolen by the first.
-    uses = [k for _, k, _ in accumulations]
-    accumulations = [(leaf, k, steal and uses.count(k) == 1) for leaf, k, steal in accumulations]
-    return Split(fx.GraphModule(gm, pure), used, accumulations, len(grads), spec, len(outputs))
-
-
-def runner(s: Split, compile_pure, example_inputs: list, fallback, name: str = "backend"):
-    """A boxed callable: run the compiled pure part, then accumulate.
-
-    ``compile_pure(pure_gm, example_inputs) -> fn(list) -> outputs`` compiles code
-    specialized to input shapes: once now for the example inputs, and again for
-    each new shape a dynamic graph meets (gradfx's guards pick the graph, this
-    picks the compiled code).  Every shape of a graph's tensors is determined by
-    its size inputs (the leading int placeholders; none in a static graph), so
-    those ints are the key.  The first compile fails like any backend compile
-    (gradfx warns and uses the eager backend, or raises ``Unsupported`` in strict
-    mode); a later one happens while the graph runs, its inputs already taken
-    over, so the graph then runs on ``fallback`` (the eager backend) with a
-    warning.  Compiles after the first happen on cache hits: they count as
-    ``recompiles`` and are logged, so that a cache hit that takes seconds says why.
-    """
-    compiled: dict = {}
-    leaf_positions = [leaf for leaf, _, _ in s.accumulations]
+    slot = {n: k for k, n in enumerate(placeholders)}
+    flat_out, spec = pytree.tree_flatten(graph.output_node().args[0])
+    last = {}  # value -> index of the piece that uses it last (len(pieces): the graph's output)
+    for k, (_, nodes) in enumerate(pieces):
+        for n in nodes:
+            for a in n.all_input_nodes:
+                last[a] = k
+    for a in flat_out:
+        if isinstance(a, fx.Node):
+            last[a] = len(pieces)
     n_sizes = 0
     while n_sizes < len(example_inputs) and type(example_inputs[n_sizes]) is int:
         n_sizes += 1
+    sizes = tuple(example_inputs[:n_sizes])
+    symbols = {}
+    for p, value in zip(placeholders[:n_sizes], sizes):
+        val = p.meta.get("val")
+        if isinstance(val, torch.SymInt):
+            symbols[val.node.expr] = value
 
-    def compile_now(sub):
-        with torch.no_grad():
-            return compile_pure(s.pure, [a.detach() if isinstance(a, torch.Tensor) else a for a in sub])
-
-    def compile_for(sub, key):
-        fn = compiled.get(key)
-        if fn is None:
-            start = time.perf_counter()
-            try:
-                fn = compile_now(sub)
-            except Exception as err:
-                warnings.warn(f"gradfx: compiling a backward failed ({type(err).__name__}: {err}); "
-                              "running it on the eager backend", FallbackWarning)
-                fn = False
-            compiled[key] = fn
-            if len(compiled) > 1:
-                counters.note_recompile(name, len(s.pure.graph.nodes), time.perf_counter() - start, key, next(iter(compiled)),
-                               len(compiled))
-        return fn
-
-    compiled[tuple(example_inputs[:n_sizes])] = compile_now([example_inputs[i] for i in s.used_inputs])
+    part = "a cached backward" if sum(compiled for compiled, _ in pieces) == 1 else "a region of a cached backward"
+    shared = _Graph(compile_region, python_code, name, part)
+    steps = []
+    for k, (compiled, nodes) in enumerate(pieces):
+        inside = set(nodes)
+        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+        outputs = [n for n in nodes if last.get(n, k) > k]
+        lo = len(slot)
+        slot.update((n, lo + j) for j, n in enumerate(outputs))
+        piece = _subgraph(gm, nodes, inputs, outputs)
+        if compiled:
+            computed = [j for j, a in enumerate(inputs) if a.op != "placeholder"]
+            sized = n_sizes > 0 and any(_symbolic(a.meta.get("val")) for a in inputs)
+            run = _Region(piece, computed, sized, shared)
+            examples = [example_inputs[slot[a]] if a.op == "placeholder" else _example(a, symbols) for a in inputs]
+            run.compiled[run.key(examples, sizes)] = run.compile(examples)
+            del examples
+        else:
+            run = _python(python_code(piece, [])._boxed)
+        frees = [slot[a] for a in inputs if last[a] == k]
+        steps.append((run, [slot[a] for a in inputs], frees, lo, lo + len(outputs)))
+    unused = [slot[p] for p in placeholders if p not in last]
+    blank = [None] * (len(slot) - len(placeholders))
+    results = [(slot[a], None) if isinstance(a, fx.Node) else (None, a) for a in flat_out]
 
     def boxed(args: list):
-        sub = [args[i] for i in s.used_inputs]
-        fn = compile_for(sub, tuple(args[:n_sizes]))
-        if fn is False:
-            del sub
-            return fallback(args)
-        leaves = [args[i] for i in leaf_positions]
-        args.clear()  # the compiled code becomes the only owner of the saved tensors
-        outs = list(fn(sub))
-        for leaf, (_, k, steal) in zip(leaves, s.accumulations):
-            grad = outs[k]
-            if steal:
-                outs[k] = None  # so that accumulate_grad sees no other reference
-            # Unchecked: the pure part was compiled from the traced graph by gradfx's
-            # own pipeline, so its gradients have their leaves' metadata.
-            accumulate_grad_unchecked(leaf, grad, steal)
-            del grad
-        return pytree.tree_unflatten(outs[s.n_grads:s.n_grads + s.n_outputs], s.out_spec)
+        sizes = tuple(args[:n_sizes])
+        env = args[:]
+        args.clear()  # the pieces become the only owners of the saved tensors
+        for i in unused:
+            env[i] = None
+        env += blank
+        for run, inputs, frees, lo, hi in steps:
+            sub = [env[i] for i in inputs]
+            for i in frees:
+                env[i] = None
+            env[lo:hi] = run(sub, sizes)
+        return pytree.tree_unflatten([value if i is None else env[i] for i, value in results], spec)
 
-    def run(*args):
+    def call(*args):
         return boxed(list(args))
-    run._boxed = boxed
+    call._boxed = boxed
+    return call
+
+
+def _python(code):
+    def run(sub: list, sizes: tuple):
+        return code(sub)
     return run

@@ -143,7 +143,7 @@ def test_counters_every_call_counts_once():
             x = _leaf(3)
             (x * x).sum().backward()  # falls back: anomaly detection
     assert s.stats == {"captures": 1, "cache_hits": 2, "fallbacks": 1, "compiles": 1, "recaptures": 0,
-                       "recompiles": 0}
+                       "recompiles": 0, "uncompiled": 0}
     assert gradfx.stats() == s.stats
     gradfx.reset()
     assert gradfx.stats() == dict.fromkeys(s.stats, 0)

@@ -35,7 +35,7 @@ class Hooked(nn.Module):
         return self.net[3](self.net[2](self.net[1](h)))
 
 
-def test_aot_eager_with_hooks_runs_eager_backend():
+def test_aot_eager_with_hooks():
     compare_training(Hooked, lambda: (torch.randn(8, 16),), backend="aot_eager", exact=False)
 
 

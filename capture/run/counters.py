@@ -9,8 +9,9 @@ from . import routing
 
 log = logging.getLogger("gradfx")
 
-# recompiles: a backend compiling a cached graph again for new sizes (inductor does, per shape)
-COUNTERS = ("captures", "cache_hits", "fallbacks", "compiles", "recaptures", "recompiles")
+# recompiles: a backend compiling a cached graph again for new sizes (inductor does, per shape);
+# uncompiled: graphs a compiling backend runs uncompiled, wholly or in part
+COUNTERS = ("captures", "cache_hits", "fallbacks", "compiles", "recaptures", "recompiles", "uncompiled")
 totals = dict.fromkeys(COUNTERS, 0)
 
 
@@ -24,20 +25,28 @@ def clear() -> None:
         totals[k] = 0
 
 
-def note_recompile(backend: str, nodes: int, seconds: float, sizes: tuple, first: tuple, count: int) -> None:
+def note(name: str) -> None:
+    """Count ``name`` in the innermost block on this thread (the one whose backward is
+    running or compiling), or for the process alone outside any block."""
+    block = routing.current()
+    if block is not None:
+        block._count(name)
+    else:
+        totals[name] += 1
+
+
+def note_recompile(backend: str, nodes: int, seconds: float, sizes: tuple, first: tuple, count: int,
+                   part: str = "a cached backward") -> None:
     """A backend compiled a cached graph again, for new sizes (on a cache hit).
 
     Counted as ``recompiles`` in the innermost block on this thread (the one
     whose backward is running) and logged with how the sizes differ from the
-    graph's first compile, so that a slow cache hit says why.
+    graph's first compile, so that a slow cache hit says why.  ``part``: what was
+    compiled (a backend may compile a graph in regions).
     """
-    block = routing.current()
-    if block is not None:
-        block._count("recompiles")
-    else:
-        totals["recompiles"] += 1
+    note("recompiles")
     if log.isEnabledFor(logging.INFO):
         changes = Counter((a, b) for a, b in zip(first, sizes) if a != b)
         what = ", ".join(f"{a} -> {b}" + (f" ({n} sizes)" if n > 1 else "") for (a, b), n in changes.most_common(4))
-        log.info("gradfx: backend %s recompiled a cached backward of %d fx nodes in %.2f s for new sizes "
-                 "(%s); %d compiled versions of this graph", backend, nodes, seconds, what or "none", count)
+        log.info("gradfx: backend %s recompiled %s of %d fx nodes in %.2f s for new sizes "
+                 "(%s); %d compiled versions of this graph", backend, part, nodes, seconds, what or "none", count)

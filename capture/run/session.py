@@ -347,6 +347,7 @@ class Session:
         except Exception as err:
             failed = self._failure(err)
             self._backend_failed(failed, err)
+            self._count("uncompiled")
             compiled = backends.compile_with(backends.builtin.eager, gm, example_inputs)
         seconds = time.perf_counter() - start
         level = logging.INFO if seconds > 1.0 else logging.DEBUG
@@ -393,6 +394,7 @@ class Session:
             err = failed.error
             entry.failed = self._failure(err)
             self._backend_failed(entry.failed, err)
+            self._count("uncompiled")
             entry.fn = backends.compile_with(backends.builtin.eager, entry.captured.graph_module, [])
             entry.boxed = getattr(entry.fn, "_boxed", None)
             return _call_entry(entry, inputs)
