@@ -24,7 +24,7 @@ from functools import partial
 from . import distributed, hooks
 from .kinds import (ACCUMULATE, ctx_key, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
                     function_materializes, kind_of, value_key)
-from .saved import ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks
+from .saved import ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks, readable
 from .walk import BackwardCall, root_edge
 
 
@@ -139,7 +139,12 @@ def generate(call: BackwardCall, tensors, structure):
         if not rec.runs:
             if i in call.captures:  # its metadata (as the generic walk reads it), and tensor
                 emit_metas(src, f"n{i}", node)  # pre-hooks, which still run before the capture
-                src.hook_lists[i] = emit_hooks(src, i, rec, f"n{i}.variable" if rec.kind is ACCUMULATE else None)
+                leaf = None
+                if rec.kind is ACCUMULATE:
+                    leaf = f"v{i}"
+                    src.emit(f"{leaf} = n{i}.variable")
+                    src.bail_unless(f"type({leaf}) is {src.const(type(node.variable))}")
+                src.hook_lists[i] = emit_hooks(src, i, rec, leaf)
             continue
         spec, info = kind_of(node)
         specs[i] = (spec, info)
@@ -182,6 +187,8 @@ def _any_hooked(saved_variables) -> bool:
 
 
 def _accumulators_hooked(accumulators) -> bool:
+    for node in accumulators:  # the probe runs ops on the leaves: the generic walk's fallback
+        readable(node.variable, "as the leaf", node)
     return distributed.cpp_hooks_reason(accumulators) is not None
 
 

@@ -37,6 +37,7 @@ from torch.autograd.function import _HookMixin
 from torch.overrides import has_torch_function_unary
 
 from ..torch_releases import node_token
+from .saved import unreadable
 
 
 @dataclass
@@ -300,7 +301,17 @@ def retained_by_node(index: dict) -> dict:
         return found
     for ref in list(_retained.values()):
         tensor = ref()
-        if tensor is None or not tensor.retains_grad:
+        if tensor is None:
+            continue
+        if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+            # A subclass (the wrapper notes it when its __torch_function__ calls back):
+            # its node read past that and its own properties; in this walk, it falls back.
+            with torch._C.DisableTorchFunction():
+                node = torch._C.TensorBase.grad_fn.__get__(tensor)
+            if id(node) in index:
+                raise unreadable(f"a tensor subclass ({type(tensor).__name__})", "retaining grad, an output", node)
+            continue
+        if not tensor.retains_grad:
             continue
         node = tensor.grad_fn
         if node is not None:

@@ -26,7 +26,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from . import hooks
-from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, take_saved
+from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, readable, take_saved, unreadable
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
@@ -89,6 +89,7 @@ def ctx_key(ctx) -> tuple:
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
+    readable(t, "in a saved value or a traced Function's ctx")
     return (t.dtype, t.shape, t.stride(), t.device, t.layout)
 
 
@@ -187,15 +188,16 @@ class Walk:
         self.input_owner.append(owner)
         return len(self.inputs) - 1
 
-    def tensor(self, t, pos):
+    def tensor(self, t, pos, role: str, node=None):
         """A tensor's structure for the key; its sizes (and strides unless contiguous)
-        go to the sizes, so that they can be guarded or made symbolic."""
+        go to the sizes, so that they can be guarded or made symbolic.  ``role`` and
+        ``node``: where it was met, for a fallback's reason."""
+        readable(t, role, node)
+        if t.layout is not torch.strided or t.is_nested:  # no strided sizes to read
+            raise unreadable(f"a {'nested' if t.is_nested else t.layout} tensor", role, node)
         sizes = self.sizes
         start = len(sizes)
         sizes.extend(t.shape)
-        if t.layout is not torch.strided:
-            from ..errors import _Fallback
-            raise _Fallback(f"a {t.layout} tensor among the saved tensors, leaves or gradients")
         if t.is_contiguous():
             stride_start = -1
         else:
@@ -283,7 +285,7 @@ def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> bool:
     for t in values:
         pos = w.add_input(t, "saved", i)
         positions.append(pos)
-        w.key.append(w.tensor(t, pos))
+        w.key.append(w.tensor(t, pos, "among the saved tensors", node))
     rec.saved = tuple(positions)
     return True
 
@@ -361,6 +363,7 @@ def emit_tensor(src, var: str, call, pos: int, t) -> None:
     """Check a tensor's structure and append its sizes as ``Walk.tensor`` does."""
     start, ndim, stride_start = call.tensor_slots[pos]
     contiguous = "" if stride_start < 0 else "not "
+    src.bail_unless(f"type({var}) is {src.const(type(t))}")  # a subclass: the generic walk falls back
     src.emit(f"sh = {var}.shape")
     src.bail_unless(f"len(sh) == {ndim} and {var}.dtype is {src.const(t.dtype)} and "
                     f"{var}.layout is {src.const(t.layout)} and {_device_check(src, var, t.device)} "
@@ -420,7 +423,7 @@ class AccumulateKind:
         # An accumulator's one input has the leaf's shape and dtype: its metadata is
         # the leaf's own, so the leaf's sizes serve as the metadata's.
         rec.meta_start = len(w.sizes)
-        w.key.append((w.tensor(var, None), var.requires_grad, var.grad_dtype))
+        w.key.append((w.tensor(var, None, "as the leaf", node), var.requires_grad, var.grad_dtype))
         rec.node_input = w.add_input(var, "variable", i)
         walk_hooks(w, rec, i, node, var)
         return ACCUMULATE
@@ -428,7 +431,8 @@ class AccumulateKind:
     def check(self, src, i, node, info, call) -> None:
         v = node.variable
         src.emit(f"v{i} = n{i}.variable")
-        src.bail_unless(f"v{i}.requires_grad is {v.requires_grad} and v{i}.grad_dtype is {src.const(v.grad_dtype)}")
+        src.bail_unless(f"type(v{i}) is {src.const(type(v))} and v{i}.requires_grad is {v.requires_grad} "
+                        f"and v{i}.grad_dtype is {src.const(v.grad_dtype)}")  # a subclass: see emit_tensor
         src.emit(f"sh = v{i}.shape")
         src.bail_unless(f"len(sh) == {v.dim()} and v{i}.dtype is {src.const(v.dtype)} "
                         f"and v{i}.layout is {src.const(v.layout)} and {_device_check(src, f'v{i}', v.device)} "

@@ -28,7 +28,10 @@ import re
 import threading
 from functools import partial
 
+import torch
+
 from .. import torch_releases
+from ..errors import _Fallback
 
 FREED_MESSAGE = (
     "Trying to backward through the graph a second time (or directly access saved "
@@ -37,6 +40,24 @@ FREED_MESSAGE = (
     "retain_graph=True if you need to backward through the graph a second time or "
     "if you need to access saved tensors after calling backward."
 )
+
+
+def readable(t, role: str, node=None):
+    """``t``, if the walk can read it without running user code; else raise _Fallback.
+
+    ``type()`` runs none; any other read of a subclass may (its ``__torch_function__``,
+    its own properties).  ``role`` and ``node`` say where ``t`` was met, for the reason.
+    """
+    tp = type(t)
+    if tp is torch.Tensor or tp is torch.nn.Parameter:
+        return t
+    raise unreadable(f"a tensor subclass ({tp.__name__})", role, node)
+
+
+def unreadable(what: str, role: str, node=None) -> _Fallback:
+    """The fallback for a tensor the walk cannot read: ``what`` it is, where it was met."""
+    where = f" of {type(node).__name__}" if node is not None else ""
+    return _Fallback(f"{what} {role}{where}")
 
 
 class _State(threading.local):
@@ -235,7 +256,8 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     ``_saved_*`` ones.  Undefined (None) saved tensors are ``False`` in the mask;
     ``tensors`` are the defined ones as the node unpacks them.  Raises eager's own
     RuntimeError if the saved tensors were freed or modified in place,
-    ForeignHooks if the user's saved-tensor hooks own them.
+    ForeignHooks if the user's saved-tensor hooks own them, _Fallback if one is a
+    subclass (before any is taken: sealing reads their versions).
     """
     owned = SavedTensors()
     mask = []
@@ -253,6 +275,10 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     # the engine no longer checks.  Every variable is checked before any is taken: a
     # failing check leaves the node as it was, and the next backward raises again.
     unpacked = [getattr(node, attr) for attr in tensor_attrs]
+    for values in unpacked:
+        for value in (values if type(values) is tuple else (values,)):
+            if value is not None:
+                readable(value, "among the saved tensors", node)
     for raw, values in zip(raws, unpacked):
         grouped |= type(raw) is tuple
         group = raw if type(raw) is tuple else (raw,)

@@ -27,6 +27,7 @@ import torch
 from ..errors import _Fallback
 from . import distributed
 from .kinds import ACCUMULATE, NodeRecord, Walk, kind_of, walk_hooks, walk_metas
+from .saved import readable
 
 class StructureKey:
     """A structure key with its hash computed once (the key is a long nested tuple)."""
@@ -202,8 +203,10 @@ def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool =
         rank[j] = r
 
     if distributed.initialized():
-        reason = distributed.cpp_hooks_reason(
-            [node for node in nodes if type(node).__name__ == "AccumulateGrad"])
+        accumulators = [node for node in nodes if type(node).__name__ == "AccumulateGrad"]
+        for node in accumulators:  # the probe runs ops on the leaves
+            readable(node.variable, "as the leaf", node)
+        reason = distributed.cpp_hooks_reason(accumulators)
         if reason:
             raise _Fallback(reason)
 
@@ -211,7 +214,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool =
     w.take_functions = take_functions
     w.key += [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate, create_graph]
     for k, g in enumerate(grads):
-        w.key.append(w.tensor(g, k))
+        w.key.append(w.tensor(g, k, "as a root's gradient"))
     records = []
     for i, node in enumerate(nodes):
         runs = needed is None or needed[i]
@@ -224,7 +227,8 @@ def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool =
             rec.kind = spec.walk(w, rec, i, node, info)
         elif i in captures:  # tensor pre-hooks still run before the capture
             walk_metas(w, rec, node)  # what the gradients captured there are validated against
-            walk_hooks(w, rec, i, node, node.variable if info.kind is ACCUMULATE else None)
+            leaf = readable(node.variable, "as the leaf", node) if info.kind is ACCUMULATE else None
+            walk_hooks(w, rec, i, node, leaf)
     owned = [w.owned.get(i) for i in range(n)]
     return BackwardCall(records, roots, outputs, accumulate, captures, w.input_kinds, w.input_owner,
                         w.tensor_slots, StructureKey(tuple(w.key)), nodes, seq, owned, w.inputs, w.sizes,
