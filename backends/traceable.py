@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.run import hook_ops, runtime_ops
+from ..capture.trace.engine_loop import _GROUPED_OUTPUTS
 
 # Custom Functions whose backward dynamo cannot inline: they run as the custom op.
 _OPAQUE_FUNCTIONS = ("CheckpointFunction", "CompiledFunction")
@@ -157,6 +158,7 @@ class _Live(threading.local):
 _live = _Live()
 _slots = itertools.count()
 _slot_outputs: dict[int, tuple] = {}  # slot -> ((ndim, dtype, device) per defined output)
+_slot_seen_none: dict[int, tuple] = {}  # slot -> edges without a next node whose None a post-hook sees
 _ops_defined = False
 
 
@@ -195,7 +197,13 @@ def _ops():
             else runtime_ops.call_node
         outs = call(node, edges, defined, *grads)
         result = []
-        for out in outs:
+        for k, out in enumerate(outs):
+            if edges[k] is None:  # no next node: the graph passes post-hooks None (_as_custom_op)
+                if out is not None and k in _slot_seen_none.get(slot, ()):
+                    raise RuntimeError(f"gradfx: {node.name()} computed a gradient for an input without a next "
+                                       "node, which the compiled graph hands its post-hook as None; run this "
+                                       "backward with backend='eager'")
+                continue
             if out is None:
                 continue
             # The fake kernel promises contiguous outputs (the node's layout is not
@@ -308,12 +316,12 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             mask = node.meta.get("gradfx_saved_mask")
             if mask is None or cls.__name__ in _OPAQUE_FUNCTIONS or _engine_materializes(ctx, node.args[3:]):
                 nested |= cls.__name__ in _NESTED_BACKWARD
-                _as_custom_op(graph, node, adapter, position)
+                _as_custom_op(graph, node, adapter, position, ctx)
             else:
                 _as_rebuilt_backward(graph, node, cls, ctx, mask, saved_of.get(node.meta["gradfx_node_index"], []))
                 adapter.contexts.append(position[node.args[0]])
         elif node.target is runtime_ops.call_node:
-            _as_custom_op(graph, node, adapter, position)
+            _as_custom_op(graph, node, adapter, position, example_inputs[position[node.args[0]]])
         elif node.target is runtime_ops.release_saved:
             graph.erase_node(node)  # compiled code takes no live nodes: released after the run
         elif node.target is runtime_ops.require_gradients:
@@ -367,12 +375,37 @@ def _as_rebuilt_backward(graph, node, cls, ctx, mask, saved_nodes):
     node.args = (ctx_input, saved, tuple(ctx.needs_input_grad), valid_edges, metas, must_be_defined, *grads)
 
 
-def _as_custom_op(graph, node, adapter, position):
+def _leaves_unneeded_none(autograd_node) -> bool:
+    """Does this node compute None for every edge without a next node?  A builtin formula
+    computes only the outputs whose edge has one, except a list argument's (computed
+    together, as engine_loop.computed says); a custom Function's or C++ Function's
+    (CppFunction) backward returns what it returns."""
+    name = type(autograd_node).__name__
+    if isinstance(autograd_node, torch.autograd.function.BackwardCFunction) or name == "CppFunction":
+        return False
+    return name not in _GROUPED_OUTPUTS and not name.startswith("Foreach")
+
+
+def _as_custom_op(graph, node, adapter, position, autograd_node):
     """call_node / call_backward(node, metas, must_be_defined, *grads) -> run_node(slot, grads, sizes)."""
     op = _ops().run_node.default
     slot = next(_slots)
     live, metas, _, *grads = node.args
     by_edge = {user.args[1]: user for user in node.users}  # getitem of edge k
+    # An output for an edge without a next node, which a post-hook sees: its shape is
+    # known only once the node ran, so a custom op cannot return it.  Where the node
+    # computes None there, the hook is handed None (checked when it runs).
+    seen = [k for k in by_edge if metas[k] is None]
+    if seen and not _leaves_unneeded_none(autograd_node):
+        raise NotImplementedError(f"a post-hook of {autograd_node.name()} sees what it computes for an input "
+                                  "without a next node, whose shape is known only when it runs")
+    for k in seen:
+        user = by_edge.pop(k)
+        for use in list(user.users):
+            use.args = fx.node.map_arg(use.args, lambda a: None if a is user else a)
+        graph.erase_node(user)
+    if seen:
+        _slot_seen_none[slot] = tuple(seen)
     outputs, sizes, index = [], [], {}
     for k, meta in enumerate(metas):
         if meta is None:

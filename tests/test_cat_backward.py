@@ -187,11 +187,7 @@ def test_double_backward():
 
 
 @pytest.mark.parametrize("no_grad, post_hook", [
-    ((2, 4), False), ((2, 4), True), ((2, 0), False),
-    # Run real, as an opaque call the node hands a post-hook None for an input without a
-    # next node, where eager hands it the node's output (runtime_ops.finish_outputs).
-    pytest.param((2, 0), True, marks=pytest.mark.xfail(strict=True, reason="opaque calls drop outputs of "
-                                                        "edges without a node")),
+    ((2, 4), False), ((2, 4), True), ((2, 0), False), ((2, 0), True),
 ])
 def test_hooks(no_grad, post_hook):
     """Tensor hooks on the inputs, node hooks on the cat: a post-hook sees the gradient

@@ -295,7 +295,8 @@ def function_outputs(name: str, needs_input_grad, result, valid_edges) -> list:
 
     Extra trailing Nones are dropped and the count must equal the forward's inputs.
     Edges exist for tensor inputs only; the valid ones (inputs that require grad)
-    appear in the same order as the True entries of ``needs_input_grad``.  Written
+    appear in the same order as the True entries of ``needs_input_grad``, the others
+    (no next node) get what the backward returned for them, for the post-hooks.  Written
     for dynamo as well: the traceable form of a custom Function calls it too.
     """
     if type(result) is not tuple:
@@ -307,12 +308,33 @@ def function_outputs(name: str, needs_input_grad, result, valid_edges) -> list:
         raise RuntimeError(f"function {name} returned an incorrect number of gradients "
                            f"(expected {n}, got {len(result)})")
     _check_function_result(name, needs_input_grad, result, len(valid_edges))
-    wanted = [r for r, need in zip(result, needs_input_grad) if need]
-    outs, k = [], 0
-    for valid in valid_edges:
-        outs.append(wanted[k] if valid else None)
-        k += valid
-    return outs
+    wanted = iter([r for r, need in zip(result, needs_input_grad) if need])
+    unneeded = iter(_unneeded_gradients(needs_input_grad, result, len(valid_edges) - sum(valid_edges)))
+    return [next(wanted) if valid else next(unneeded) for valid in valid_edges]
+
+
+def _unneeded_gradients(needs_input_grad, result, n_edges: int) -> list:
+    """What the backward returned for each edge without a next node (a tensor input that
+    needs no gradient), in order: eager hands it to the node's post-hooks.
+
+    Those are among the inputs that need no gradient, where Python cannot tell tensors
+    from other values: one given a gradient is a tensor (PyNode refuses one for anything
+    else), and ``n_edges`` says how many of those given None are tensors too.  A gradient
+    whose edge that leaves open (such Nones both before and after it) stays None.
+    """
+    given = [r for r, need in zip(result, needs_input_grad) if not need]
+    hidden = n_edges - sum(r is not None for r in given)  # tensors among the Nones
+    out = [None] * n_edges
+    nones_before, nones_after, placed = 0, sum(r is None for r in given), 0
+    for r in given:
+        if r is None:
+            nones_before, nones_after = nones_before + 1, nones_after - 1
+            continue
+        low, high = max(0, hidden - nones_after), min(hidden, nones_before)  # tensors before it
+        if low == high:
+            out[placed + low] = r
+        placed += 1
+    return out
 
 
 def _check_function_result(name: str, needs_input_grad, result, n_tensor_inputs: int) -> None:
@@ -345,8 +367,12 @@ def finish_outputs(name, outs, metas, must_be_defined):
     check_gradient_count(name, len(outs), len(metas))
     result = []
     for k, (g, meta) in enumerate(zip(outs, metas)):
-        if meta is None or g is None:
-            if g is None and meta is not None and must_be_defined[k]:
+        if meta is None:
+            # No next node: eager leaves it unchecked for the node's post-hooks (which see
+            # it), then drops it.
+            result.append(g)
+        elif g is None:
+            if must_be_defined[k]:
                 raise RuntimeError(
                     f"gradfx: {name} returned None for gradient {k}, which the captured graph "
                     "feeds to a traced formula; this backward cannot run under gradfx (it ran "

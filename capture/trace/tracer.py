@@ -92,6 +92,21 @@ class _Input:
         self.pos = pos
 
 
+class _Unshaped:
+    """What an opaque call returned for an edge without a next node, which only the
+    node's post-hooks see: a tensor, or None, whose shape and dtype nothing says before
+    the node runs (no next node holds its metadata).  The graph hands the call's output
+    on as it is; it gets no fake."""
+
+    __slots__ = ("proxy",)
+
+    def __init__(self, proxy):
+        self.proxy = proxy
+
+
+_UNSHAPED = _Unshaped(None)  # ``like`` of such an output (python_call binds a new one)
+
+
 class _Tracer:
     def __init__(self, call: BackwardCall, symbolic: SymbolicSizes | None, assumed_none=frozenset()):
         self.call = call
@@ -325,16 +340,22 @@ class _Tracer:
         single = not isinstance(like, tuple)
         items = (like,) if single else like
         outs = []
-        for x in items:
-            outs.append(None if x is None else self.new_fake(x.shape, x.stride(), x.dtype, x.device))
-        for k, fake in enumerate(outs):
-            if fake is not None:
+        for k, x in enumerate(items):
+            if x is None:
+                outs.append(None)
+            elif isinstance(x, _Unshaped):
+                outs.append(_Unshaped(proxy if single else proxy[k]))
+            else:
+                fake = self.new_fake(x.shape, x.stride(), x.dtype, x.device)
                 track_tensor_tree(fake, proxy if single else proxy[k], constant=None, tracer=self.tracer)
+                outs.append(fake)
         return outs[0] if single else tuple(outs)
 
     def arg(self, x):
         if isinstance(x, _Input):
             return self.object_proxies[x.pos]
+        if isinstance(x, _Unshaped):
+            return x.proxy
         if isinstance(x, torch.Tensor):
             return self.proxy(x)
         if isinstance(x, (tuple, list, torch.Size)):
@@ -495,6 +516,7 @@ class _Tracer:
             # Rules are written for tensors; with a None gradient the node itself runs (as eager).
             elif self.symbolic is not None and all(g is not None for g in grads):
                 out = apply_rule(node, grads, _SymbolicSaved(node, i, self))
+                out = self.formula_computes(node, i, out)
             if out is None:
                 if self.symbolic is not None and type(node).__name__ in LAYOUT_ONLY_GUARDS:
                     with _suppress_guards(self.shape_env):
@@ -505,6 +527,15 @@ class _Tracer:
             self.undo(before, i, err)
             return None
         return out if type(out) is tuple else (out,)
+
+    def formula_computes(self, node, i, out):
+        """A rule's outputs as the node's formula gives them: a rule computes every output,
+        the formula none for an edge without a next node (post-hooks see None there),
+        except a list argument's, which it computes together."""
+        edges = self.call.records[i].edges
+        if type(out) is not tuple or len(out) != len(edges) or type(node).__name__ in engine_loop._GROUPED_OUTPUTS:
+            return out
+        return tuple(None if e is None else g for g, e in zip(out, edges))
 
     def run_function(self, i, ctx, grads):
         """Trace a traceable custom Function's backward; None if it cannot run on fakes
@@ -548,10 +579,13 @@ class _Tracer:
         label = self.call.node_label(i)
         self.opaque.append(label)
         metas, like = [], []
+        hooks = self.call.records[i].hooks
+        observed = hooks is not None and bool(hooks.post)
         for e in self.call.records[i].edges:
             if e is None:
+                # No next node: only post-hooks see the output, as the node computed it.
                 metas.append(None)
-                like.append(None)
+                like.append(_UNSHAPED if observed else None)
             else:
                 shape, dtype, device = self.meta(e[0], e[1])
                 metas.append((shape, dtype))
@@ -575,7 +609,7 @@ class _Tracer:
         if function and self.call.owned[i] is not None:
             call.meta["gradfx_saved_mask"] = self.call.owned[i].mask
         for o in outs:
-            if o is not None:
+            if o is not None and not isinstance(o, _Unshaped):
                 self.maybe_none.add(id(o))
                 self.keep.append(o)
         return outs
