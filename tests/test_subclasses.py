@@ -374,10 +374,6 @@ def hooked_program(kind):
     return program
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "capture/run/hook_ops.py (_check_single) and runtime_ops.py (validate_output) read a hook's or a "
-    "custom backward's subclass result through its __torch_function__, where eager's engine holds it "
-    "as a C++ tensor: they must take it as a plain tensor first"))
 @pytest.mark.parametrize("kind", ["tensor hook", "leaf hook", "pre-hook", "post-hook", "retain_grad", "function"])
 def test_subclass_returned_at_run_time_computes_as_eager(kind):
     loss, tensors = hooked_program(kind)()

@@ -14,15 +14,28 @@ import itertools
 import threading
 
 import torch
+from torch.overrides import has_torch_function_unary as _has_torch_function
 
 
 def _hook_name(hook) -> str:
     return getattr(hook, "__name__", type(hook).__name__)
 
 
+def plain_tensor(t):
+    """``t`` as the engine holds a tensor a hook or backward returned: without its
+    subclass's ``__torch_function__``, which must not see gradfx's checks and ops on it
+    (the engine's are C++).  Subclasses without one (fake tensors while tracing, dispatch
+    subclasses) stay as they are."""
+    if type(t) is torch.Tensor or not _has_torch_function(t):
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.as_subclass(t, torch.Tensor)
+
+
 def _check_single(original, result, hook):
     if not isinstance(result, torch.Tensor):
         raise TypeError(f"expected Variable, but hook returned '{type(result).__name__}'")
+    result = plain_tensor(result)
     if original is None:
         raise RuntimeError("can't replace a None gradient with a non-None value")
     name = _hook_name(hook)

@@ -419,6 +419,7 @@ def validate_output(grad, shape, dtype, node_name: str, index: int):
     """engine.cpp's validate_outputs for one gradient: reduce broadcast, cast dtype."""
     if grad is None:
         return None
+    grad = hook_ops.plain_tensor(grad)
     # Lengths first: comparing a symbolic size with an unrelated static one that
     # happens to be equal would specialize the symbol.
     if len(grad.shape) != len(shape) or grad.shape != shape:
