@@ -99,7 +99,7 @@ def _eager(fn):
 def _gradfx(fn):
     """Run ``fn`` through gradfx's eager backend; strict: a fallback is a failure."""
     from .session import Session
-    with Session("eager", dynamic=False, strict=True):
+    with Session("eager", dynamic=False, strict=True, passes=[]):
         return fn()
 
 
