@@ -32,6 +32,11 @@ TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "functi
 
 # Saved values whose names say they hold sizes: these may become symbolic.
 _SIZE_WORDS = ("sizes", "strides", "numel", "argsize", "split_size")
+# Saved plain ints that are sizes though their names do not say so, per node type:
+# group_norm's batch, channels and the product of its spatial dims follow the data.
+_NAMED_SIZES = {
+    "NativeGroupNormBackward0": frozenset({"_saved_N", "_saved_C", "_saved_HxW"}),
+}
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,8 @@ def type_info(node_type: type) -> TypeInfo:
             kind, raw, tensors, values = FUNCTION, ("_raw_saved_tensors",), ("saved_tensors",), ()
         else:
             kind = TRACED
-        sized = frozenset(v for v in values if any(w in v for w in _SIZE_WORDS))
+        named = _NAMED_SIZES.get(node_type.__name__, frozenset())
+        sized = frozenset(v for v in values if v in named or any(w in v for w in _SIZE_WORDS))
         info = _type_info[node_type] = TypeInfo(kind, raw, tensors, values, sized)
     return info
 

@@ -387,3 +387,128 @@ def cat_backward0(recovered, grad):
         out.append(source.narrow(dim, offset, size))
         offset = offset + size
     return tuple(out)
+
+
+def _suggest_memory_format(t):
+    """Tensor.suggest_memory_format (channels-last strides for 4-D / 5-D tensors)."""
+    from torch._prims_common import suggest_memory_format  # lazily: a private module
+    return suggest_memory_format(t)
+
+
+@rule("NativeGroupNormBackward0")
+def native_group_norm_backward0(saved, grad, grad_mean=None, grad_rstd=None):
+    """native_group_norm_backward_symint on grad and input made contiguous in the input's
+    suggested memory format, with the saved N, C, HxW (sizes: symbolic when traced).
+    The formula takes a differentiable path under grad mode (create_graph: the node runs
+    as itself, rules.RUN_REAL_WITH_HISTORY) and where mean or rstd have gradients: the
+    rule raises there, and the node runs as itself, never with baked sizes."""
+    if grad_mean is not None or grad_rstd is not None:
+        raise NotImplementedError("group_norm's double-differentiable backward is not mirrored")
+    if grad is None:
+        return (None, None, None)
+    x = saved.input
+    fmt = _suggest_memory_format(x)
+    # The formula's mask comes from the next edges, which a rule does not see: every output
+    # is computed (each independently of the others) and one without an edge is dropped.
+    # Without a weight, neither weight's nor bias's is (eager fails on a bias alone).
+    weight = saved.weight
+    return aten.native_group_norm_backward.default(
+        grad.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt), saved.result1, saved.result2,
+        weight, saved.N, saved.C, saved.HxW, saved.group, [True, weight is not None, weight is not None])
+
+
+@rule("IndexSelectBackward0")
+def index_select_backward0(saved, grad):
+    """index_select_backward_symint: zeros of self's sizes, index_add of grad along dim."""
+    zeros = grad.new_zeros(saved.self_sym_sizes)
+    return (zeros.index_add_(_i64(saved.dim), saved.index, grad),)
+
+
+def _value_selecting_backward(grad, dim, indices, sizes, keepdim):
+    """value_selecting_reduction_backward_symint: grad scattered at the indices into zeros of self's sizes."""
+    out = grad.new_zeros(sizes)
+    if not keepdim and len(sizes) > 0:  # size branch (a rank, fixed by the key)
+        grad, indices = grad.unsqueeze(dim), indices.unsqueeze(dim)
+    return out.scatter_(dim, indices, grad)
+
+
+@rule("MaxBackward0")
+@rule("MinBackward0")
+@rule("KthvalueBackward0")
+@rule("ModeBackward0")
+@rule("MedianBackward1")
+@rule("NanmedianBackward1")
+def value_selecting_dim_backward(saved, grad):
+    """value_selecting_reduction_backward_symint(grad, dim, indices, self.sym_sizes(), keepdim)"""
+    return (_value_selecting_backward(grad, _i64(saved.dim), saved.indices, saved.self_sym_sizes, saved.keepdim),)
+
+
+@rule("TopkBackward0")
+@rule("SortBackward0")
+@rule("SortBackward1")
+def value_selecting_keepdim_backward(saved, grad):
+    """value_selecting_reduction_backward_symint(grad, dim, indices, self.sym_sizes(), true)"""
+    return (_value_selecting_backward(grad, _i64(saved.dim), saved.indices, saved.self_sym_sizes, True),)
+
+
+@rule("RepeatBackward0")
+def repeat_backward0(saved, grad):
+    """repeat_backward: zeros where a repeat is 0; else sum out the leading new dims, then
+    one reshape that splits each repeated dim into (repeat, size) and one sum over the repeats."""
+    repeats, sizes = saved.repeats, saved.self_sym_sizes
+    if 0 in repeats:
+        return (grad.new_zeros(sizes),)
+    lead = grad.dim() - len(sizes)
+    for _ in range(lead):
+        grad = grad.sum(0, False)
+    shape, dims = [], []
+    for d, size in enumerate(sizes):
+        r = repeats[d + lead]
+        if r != 1:
+            shape.append(r)
+            dims.append(len(shape) - 1)
+        shape.append(size)
+    if dims:  # all repeats 1: an empty dim list would sum everything
+        grad = grad.reshape(shape).sum(dims)
+    return (grad,)
+
+
+# node name -> (its backward op, whether it takes align_corners, its scale attributes)
+_UPSAMPLE = {
+    "UpsampleNearest1DBackward0": (aten.upsample_nearest1d_backward.default, False, ("scales",)),
+    "UpsampleNearestExact1DBackward0": (aten._upsample_nearest_exact1d_backward.default, False, ("scales",)),
+    "UpsampleNearest2DBackward0": (aten.upsample_nearest2d_backward.default, False, ("scales_h", "scales_w")),
+    "UpsampleNearestExact2DBackward0": (aten._upsample_nearest_exact2d_backward.default, False,
+                                        ("scales_h", "scales_w")),
+    "UpsampleNearest3DBackward0": (aten.upsample_nearest3d_backward.default, False,
+                                   ("scales_d", "scales_h", "scales_w")),
+    "UpsampleNearestExact3DBackward0": (aten._upsample_nearest_exact3d_backward.default, False,
+                                        ("scales_d", "scales_h", "scales_w")),
+    "UpsampleLinear1DBackward0": (aten.upsample_linear1d_backward.default, True, ("scales",)),
+    "UpsampleBilinear2DBackward0": (aten.upsample_bilinear2d_backward.default, True, ("scales_h", "scales_w")),
+    "UpsampleBicubic2DBackward0": (aten.upsample_bicubic2d_backward.default, True, ("scales_h", "scales_w")),
+    "UpsampleTrilinear3DBackward0": (aten.upsample_trilinear3d_backward.default, True,
+                                     ("scales_d", "scales_h", "scales_w")),
+}
+
+
+def _upsample_rule(name):
+    op, align, scales = _UPSAMPLE[name]
+
+    @rule(name)
+    def upsample_backward(saved, grad):
+        """upsample_*_backward_symint(grad, output_size, self.sym_sizes(), [align_corners,] scales...)"""
+        args = (saved.align_corners,) if align else ()
+        return (op(grad, list(saved.output_size), saved.self_sym_sizes, *args,
+                   *(getattr(saved, s) for s in scales)),)
+    return upsample_backward
+
+
+for _name in _UPSAMPLE:
+    _upsample_rule(_name)
+
+
+@rule("UnfoldBackward0")
+def unfold_backward0(saved, grad):
+    """unfold_backward_symint(grad, self.sym_sizes(), dimension, size, step)"""
+    return (aten.unfold_backward.default(grad, saved.self_sym_sizes, _i64(saved.dimension), saved.size, saved.step),)

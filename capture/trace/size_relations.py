@@ -604,6 +604,69 @@ def _nll_loss(rel, n):
             rel.tie(x[2:], target[1:])
 
 
+def _group_norm(rel, n):
+    """group_norm: the saved N and C are the input's dims 0 and 1, HxW the product of the
+    rest; mean and rstd are (N, group)."""
+    _shape_keeping(rel, n)
+    x = n.saved_sizes("_saved_input")
+    if x is None or len(x) < 2:
+        return
+    rel.tie(n.value("_saved_N") or [None], x[:1])
+    rel.tie(n.value("_saved_C") or [None], x[1:2])
+    hxw = n.value("_saved_HxW")
+    if hxw is not None:
+        if len(x) == 3:
+            rel.tie(hxw, x[2:])
+        else:
+            rel.derive(hxw[0], x[2:])
+    for stat in ("_saved_result1", "_saved_result2"):
+        s = n.saved_sizes(stat)
+        if s is not None and len(s) == 2:
+            rel.tie(s[:1], x[:1])
+
+
+def _index_select(rel, n):
+    """index_select: the output is self's sizes but along dim, where it has the index's."""
+    _all_but_dim(rel, n, n.meta(), n.value("_saved_self_sym_sizes"))
+
+
+def _value_selecting(rel, n):
+    """max / min / kthvalue / mode / median along dim, topk, sort: the values and their
+    indices share a shape, self's sizes but along dim (gone without keepdim)."""
+    own, src, dim = n.meta(), n.value("_saved_self_sym_sizes"), n.attr("_saved_dim")
+    idx = n.saved_sizes("_saved_indices")
+    if own is not None and idx is not None and len(own) == len(idx):
+        rel.tie(own, idx)
+    if own is None or src is None or not isinstance(dim, int) or not src:
+        return
+    if len(own) == len(src):
+        _all_but_dim(rel, n, own, src)
+    elif len(own) + 1 == len(src):
+        dim = _wrap(dim, len(src))
+        rel.tie(own, src[:dim] + src[dim + 1:])
+
+
+def _repeat(rel, n):
+    """repeat: each output dim is its repeat times self's dim (the leading new dims are repeats)."""
+    own, src, repeats = n.meta(), n.value("_saved_self_sym_sizes"), n.attr("_saved_repeats")
+    if own is None or src is None or not isinstance(repeats, tuple) or len(own) != len(repeats):
+        return
+    lead = len(own) - len(src)
+    for d, p in enumerate(src):
+        r = repeats[d + lead]
+        if r == 1:
+            rel.tie([own[d + lead]], [p])
+        elif r > 1:
+            rel.derive(own[d + lead], [Const(r), p])
+
+
+def _upsample(rel, n):
+    """upsample_*: batch and channels pass through; the spatial sizes are output_size."""
+    own, src = n.meta(), n.value("_saved_self_sym_sizes")
+    if own is not None and src is not None and len(own) == len(src) >= 2:
+        rel.tie(own[:2], src[:2])
+
+
 SHAPE_KEEPING = frozenset({
     "AbsBackward0", "AliasBackward0", "AddBackward1", "CloneBackward0", "CosBackward0", "DivBackward1", "EluBackward0",
     "ExpBackward0", "GeluBackward0", "HardswishBackward0", "LeakyReluBackward0", "LogBackward0",
@@ -622,7 +685,16 @@ BROADCASTING = frozenset({
 RELATIONS = {
     **{k: _shape_keeping for k in SHAPE_KEEPING},
     **{k: _broadcasting for k in BROADCASTING},
-    "NativeLayerNormBackward0": _layer_norm,
+    "NativeLayerNormBackward0": _layer_norm, "NativeGroupNormBackward0": _group_norm,
+    "IndexSelectBackward0": _index_select, "RepeatBackward0": _repeat,
+    **{k: _upsample for k in ("UpsampleNearest1DBackward0", "UpsampleNearestExact1DBackward0",
+                              "UpsampleNearest2DBackward0", "UpsampleNearestExact2DBackward0",
+                              "UpsampleNearest3DBackward0", "UpsampleNearestExact3DBackward0",
+                              "UpsampleLinear1DBackward0", "UpsampleBilinear2DBackward0",
+                              "UpsampleBicubic2DBackward0", "UpsampleTrilinear3DBackward0")},
+    **{k: _value_selecting for k in ("MaxBackward0", "MinBackward0", "KthvalueBackward0", "ModeBackward0",
+                                     "MedianBackward1", "NanmedianBackward1", "TopkBackward0", "SortBackward0",
+                                     "SortBackward1")},
     "ExpandBackward0": _expand,
     "ViewBackward0": _view, "UnsafeViewBackward0": _view, "ReshapeAliasBackward0": _view,
     "MmBackward0": _mm, "AddmmBackward0": lambda rel, n: _mm(rel, n, "mat1"), "BmmBackward0": _bmm,

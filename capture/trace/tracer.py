@@ -36,7 +36,7 @@ from ..run import hook_ops, runtime_ops
 from . import engine_loop, fast_ops, plain_layout, sym_memo
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
-from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, apply_rule
+from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, TAKES_NONE, apply_rule
 from .shapes import SymbolicSizes
 from ..graph.saved import substitute, substituted
 from ..graph.kinds import ACCUMULATE, type_info
@@ -514,7 +514,8 @@ class _Tracer:
             if hidden is not None:  # the node's own formula would bake in what no guard checks
                 out = hidden[1](self.recover(i), *grads)
             # Rules are written for tensors; with a None gradient the node itself runs (as eager).
-            elif self.symbolic is not None and all(g is not None for g in grads):
+            elif self.symbolic is not None and (all(g is not None for g in grads)
+                                                or type(node).__name__ in TAKES_NONE):
                 out = apply_rule(node, grads, _SymbolicSaved(node, i, self))
                 out = self.formula_computes(node, i, out)
             if out is None:
