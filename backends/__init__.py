@@ -108,8 +108,10 @@ def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list, plain: b
         raise TypeError(f"it returned {type(compiled).__name__} ({text[:60]}), not a callable")
 
     def run(*args):
+        leaves = adapt.leaves(args)
+        box = []  # what it returns, held nowhere else: gradients the run accumulates may be stolen
         try:
-            return compiled(*adapt(args))
+            box.append(compiled(*adapt(args)))
         except Exception as err:
             if not _is_compile_error(err):
                 raise
@@ -117,6 +119,7 @@ def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list, plain: b
             if cause is not None:  # dynamo failed while handling an error of the running code
                 raise cause from err
             raise CompileFailedAtRun(err) from err
+        return adapt.finish(box, leaves)
     run._gradfx_compiled = compiled
     return run
 

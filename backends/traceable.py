@@ -268,6 +268,10 @@ class Adapter:
         self.contexts: list[int] = []  # positions whose ctx becomes ctx.__dict__
         self.slots: list[tuple[int, int]] = []  # (position, slot): live node into the table
         self.detach: list[int] = []  # saved tensors and root gradients
+        # Accumulations the run makes after the graph (_defer_accumulations), in order:
+        # (position of the leaf, may steal, may be None); None: they stay in the graph.
+        self.deferred: list[tuple] | None = None
+        self.outputs = 0  # how many of the graph's outputs are its own
 
     def __call__(self, args) -> list:
         args = list(args)
@@ -287,6 +291,45 @@ class Adapter:
                 args[pos] = t.detach()
         return args
 
+    def leaves(self, args) -> list | None:
+        """The leaves of the deferred accumulations, taken before the graph runs (it may
+        clear its arguments)."""
+        return None if self.deferred is None else [args[d[0]] for d in self.deferred]
+
+    def finish(self, box: list, leaves):
+        """Check what the compiled code returned (``box``'s one item), then make the
+        deferred accumulations with eager's semantics (runtime_ops.accumulate_grad);
+        the graph's own outputs.  Raises WrongGradient, nothing written, unless every
+        gradient is as traced."""
+        results = box.pop()
+        expected = self.outputs + (0 if leaves is None else len(leaves))
+        if not isinstance(results, (tuple, list)) or len(results) != expected:
+            text = repr(results)
+            raise runtime_ops.WrongGradient(f"returned {text if len(text) <= 60 else text[:60] + '...'} instead of "
+                                            f"a tuple of {expected} values")
+        if leaves is None:
+            return results
+        results = list(results)
+        for (_, _, may_be_none), leaf, k in zip(self.deferred, leaves, range(self.outputs, expected)):
+            _check_gradient(results[k], leaf, may_be_none)
+        for k, ((_, steal, _), leaf) in enumerate(zip(self.deferred, leaves), self.outputs):
+            grad = results[k]
+            results[k] = None  # the local is its only reference: a gradient nothing else holds is stolen
+            runtime_ops.accumulate_grad(leaf, grad, steal)
+        return tuple(results[:self.outputs])
+
+
+def _check_gradient(grad, leaf, may_be_none: bool) -> None:
+    if grad is None and may_be_none:
+        return
+    dtype = leaf.grad_dtype
+    if (not isinstance(grad, torch.Tensor) or grad.shape != leaf.shape or grad.device != leaf.device
+            or (dtype is not None and grad.dtype != dtype)):
+        what = f"a gradient {list(grad.shape)} ({grad.dtype}, {grad.device})" \
+            if isinstance(grad, torch.Tensor) else f"a {type(grad).__name__}"
+        raise runtime_ops.WrongGradient(f"gave {what} to accumulate into a leaf {list(leaf.shape)} "
+                                        f"({leaf.dtype}, {leaf.device})")
+
 
 def prepare(gm: fx.GraphModule, example_inputs: list):
     """(the compiler-facing copy of ``gm``, the :class:`Adapter` for its inputs)."""
@@ -301,6 +344,7 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             saved_of.setdefault(n.meta["gradfx_node_index"], []).append(n)
     accumulations = []
     nested = False
+    python_reads = False  # a hook or a custom backward: Python that could read `.grad`
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -311,6 +355,7 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             node.args = (leaf, grad, steal, example_inputs[position[leaf]].grad_dtype)
             accumulations.append(node)
         elif node.target is runtime_ops.call_backward:
+            python_reads = True
             ctx = example_inputs[position[node.args[0]]]
             cls = type(ctx)._forward_cls
             mask = node.meta.get("gradfx_saved_mask")
@@ -327,9 +372,12 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
         elif node.target is runtime_ops.require_gradients:
             _pass_gradients_on(graph, node)
         elif node.target in HOOK_CALLS and node.target is not hook_ops.retain_grad:
+            python_reads = True
             # Without the node that runs them (hook_ops._call): compiled code does not answer
             # torch._C._current_autograd_node(), and dynamo would not trace the thread-local.
             node.args = node.args[:-1]
+    if not nested and not python_reads:
+        _defer_accumulations(graph, accumulations, adapter, position)
     if nested:
         # A reentrant checkpoint runs a backward of its own inside the graph, which may
         # accumulate into the same leaves; dynamo would replay its own `.grad` writes
@@ -344,8 +392,39 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             node.target = op
             node.args = (node.args[0], node.args[1], False)
     adapter.contexts = sorted(set(adapter.contexts))
+    adapter.outputs = len(graph.output_node().args[0]) - len(adapter.deferred or ())
     graph.lint()
     return fx.GraphModule(gm, graph), adapter
+
+
+def _defer_accumulations(graph, accumulations, adapter, position) -> None:
+    """Accumulations leave the graph, which returns their gradients after its own outputs;
+    the run accumulates them afterwards (``Adapter.finish``), in their order.
+
+    Only Python can tell when ``.grad`` is written, and this graph runs none that could
+    read it.  So a compiler never sees ``leaf.grad``: dynamo would specialise on its being
+    None, which gradfx leaves out of its key on purpose, and compile again at the first
+    backward that finds a gradient there.  And what a backend's code returns can be
+    checked before anything is written: code that computed nothing is caught."""
+    out = graph.output_node()
+    results = tuple(out.args[0])
+    grads = []
+    adapter.deferred = []
+    for node in accumulations:
+        leaf, grad, steal, _ = node.args
+        graph.erase_node(node)
+        if not isinstance(grad, fx.Node):
+            continue  # a None gradient accumulates nothing
+        adapter.deferred.append((position[leaf], steal, _may_be_none(grad)))
+        grads.append(grad)
+    out.args = (results + tuple(grads),)
+
+
+def _may_be_none(grad: fx.Node) -> bool:
+    """Can this gradient be None at run time?  What an opaque node returns can (an
+    undefined gradient); an aten op's result or a graph input cannot."""
+    source = grad.args[0] if grad.op == "call_function" and grad.target is operator.getitem else grad
+    return source.op == "call_function" and source.target is _ops().run_node.default
 
 
 def _pass_gradients_on(graph, node) -> None:

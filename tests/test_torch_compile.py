@@ -144,7 +144,12 @@ def _check(name, inner, steps=5):
     ordered_op = getattr(getattr(torch.ops, "gradfx", None), "accumulate_grad", None)
     targets = (accumulate,) + ((ordered_op.default,) if ordered_op is not None else ())
     accumulations = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
-    assert len(accumulations) == len(list(model.parameters()))
+    returned = gm.graph.output_node().args[0]
+    if name in ("module_hooks", "custom_function", "checkpoint"):
+        # Python that could read `.grad` runs inside: the accumulations stay in their places.
+        assert len(accumulations) == len(list(model.parameters())) and returned == ()
+    else:  # the graph returns the gradients; gradfx accumulates them after it
+        assert accumulations == [] and len(returned) == len(list(model.parameters()))
     hooks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in hook_ops.HOOK_CALLS]
     assert bool(hooks) == (name == "module_hooks")
 
@@ -339,3 +344,72 @@ def test_a_leaf_marked_dynamic_never_breaks_the_backward():
         assert torch.equal(g, x.grad)
     assert any("ConstraintViolationError" in str(w.message) for w in caught
                if issubclass(w.category, gradfx.FallbackWarning))
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_no_recompile_when_grad_appears(hooked):
+    # Without zero_grad, .grad is None at the first backward and a tensor at the next:
+    # gradfx leaves that out of its key, and the compiler must not specialise on it.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = copy.deepcopy(eager)
+    if hooked:
+        for m in (eager, model):
+            m[0].weight.register_hook(lambda g: g * 2)
+    backend = Inspecting("eager")
+    for step in range(3):
+        x = torch.randn(4, 8)
+        eager(x).sum().backward()
+        with gradfx.compiled_autograd(backend=backend) as session:
+            model(x).sum().backward()
+        for p, q in zip(eager.parameters(), model.parameters()):
+            assert torch.equal(q.grad, p.grad)
+    assert session.stats["recompiles"] == 0
+    # A graph with hooks keeps its accumulations inside (a hook could read .grad); dynamo
+    # then compiles once for `.grad is None` and once for a tensor there.
+    assert backend.counter.frame_count == (2 if hooked else 1)
+
+
+def test_first_gradient_is_stolen():
+    # As in eager, .grad becomes the gradient the compiled code returned: no copy.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3)
+    seen = {}
+
+    def backend(gm):
+        compiled = torch.compile(gm, backend="eager", fullgraph=True)
+
+        def run(*args):
+            out = compiled(*args)
+            seen["ptrs"] = {t.data_ptr() for t in out}
+            return out
+        return run
+    with gradfx.compiled_autograd(backend=backend):
+        lin(torch.randn(2, 4)).sum().backward()
+    assert seen["ptrs"] == {lin.weight.grad.data_ptr(), lin.bias.grad.data_ptr()}
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_backend_that_computes_nothing(hooked):
+    lin = nn.Linear(4, 3)
+    if hooked:
+        lin.weight.register_hook(lambda g: g)
+    with pytest.raises(RuntimeError, match=r"backend '[\w.<>]*lambda>' returned None instead of a tuple"):
+        with gradfx.compiled_autograd(backend=lambda gm: (lambda *args: None)):
+            lin(torch.randn(2, 4)).sum().backward()
+    assert lin.weight.grad is None and lin.bias.grad is None
+
+
+def test_backend_returning_wrong_gradients_writes_nothing():
+    lin = nn.Linear(4, 3)
+    lin(torch.randn(2, 4)).sum().backward()
+    before = [p.grad.clone() for p in lin.parameters()]
+
+    def backend(gm):
+        def run(*args):
+            return tuple(torch.zeros(7) for _ in gm(*args))  # the right count, wrong shapes
+        return run
+    with pytest.raises(RuntimeError, match=r"gave a gradient \[7\] .* to accumulate into a leaf \[3(, 4)?\]"):
+        with gradfx.compiled_autograd(backend=backend):
+            lin(torch.randn(2, 4)).sum().backward()
+    assert all(torch.equal(p.grad, b) for p, b in zip(lin.parameters(), before))
