@@ -186,6 +186,25 @@ def autograd_edges(graph: fx.Graph) -> list[tuple]:
     return list(dict.fromkeys(edges))
 
 
+def after_accumulation(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """(accumulation, post-accumulate hook) pairs.
+
+    The hook runs once the leaf's ``.grad`` is written, but both nodes only read
+    the leaf, so no fx edge says that one follows the other; pictures draw it.
+    """
+    last = {}  # leaf -> its latest accumulation so far
+    pairs = []
+    for node in graph.nodes:
+        kind = node_kind(node)
+        if kind == "accumulate" and node.args and isinstance(node.args[0], fx.Node):
+            last[node.args[0]] = node
+        elif kind == "hook" and node.target is hook_ops.call_post_accumulate_hook:
+            leaf = node.args[1] if len(node.args) > 1 else None
+            if leaf in last:
+                pairs.append((last[leaf], node))
+    return pairs
+
+
 def pass_through(graph: fx.Graph) -> list:
     """Autograd nodes that record no shown fx node: their backward hands the
     gradient on unchanged (``AddBackward0``, ``CloneBackward0``, ...)."""

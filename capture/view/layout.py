@@ -60,6 +60,11 @@ class Layout:
     engine: str
 
 
+NO_DOT = ("engine='dot' needs Graphviz's `dot` program, which was not found on PATH: install Graphviz "
+          "(`apt install graphviz`, `brew install graphviz` or `conda install graphviz`), or use "
+          "engine='layered' (the default, built in) or engine='auto' (dot when installed)")
+
+
 def dot_available() -> bool:
     return shutil.which("dot") is not None
 
@@ -557,8 +562,11 @@ def _dot(scene: Scene) -> Layout:
     for t, h in scene.edges:
         lines.append(f"{ids[t]} -> {ids[h]};")
     lines.append("}")
-    done = subprocess.run(["dot", "-Tjson0"], input="\n".join(lines), capture_output=True, text=True,
-                          timeout=60, check=True)
+    try:
+        done = subprocess.run(["dot", "-Tjson0"], input="\n".join(lines), capture_output=True, text=True,
+                              timeout=60, check=True)
+    except FileNotFoundError as err:  # subprocess only says "'dot'"
+        raise FileNotFoundError(NO_DOT) from err
     data = json.loads(done.stdout)
     llx, lly, urx, ury = (float(v) for v in data["bb"].split(","))
     flip = lambda x, y: (float(x) - llx + PAD, ury - float(y) + PAD)  # noqa: E731

@@ -3,7 +3,9 @@
 Two levels of detail:
 
 * ``"full"``: one box per fx node (its op or what it is, and its shape), the
-  boxes of one autograd node inside one labelled frame, one arrow per fx edge;
+  boxes of one autograd node inside one labelled frame, one arrow per fx edge,
+  and a dashed arrow from an accumulation to each post-accumulate hook of its
+  leaf (the hook runs after it; no fx edge says so);
 * ``"summary"``: one box per autograd node (its ops, the shapes it hands on),
   one arrow per pair of connected autograd nodes: for large graphs.
 
@@ -31,7 +33,15 @@ FULL_LIMIT = 160  # boxes: past this a full picture is taller than a screen is u
 CHAR_W = 6.6  # advance of the 11px monospace font
 LINE_H = 14
 FONT = "DejaVu Sans Mono, Menlo, Consolas, monospace"
-HEADER_H = 40
+# The header, top down: the title (its baseline), the legend's row (10 high),
+# then the notes (header lines after the title), one LINE_H apart.  The first
+# note's baseline is a full line below the legend, so that its letters (up to
+# 11px above the baseline) clear the legend's; the graph starts below the header.
+TITLE_Y = 15
+LEGEND_Y = 24
+HEADER_H = 40  # the graph's top without notes
+NOTE_Y = LEGEND_Y + 10 + LINE_H + 2
+NOTE_DESCENT = 4  # room below the last note's baseline
 
 _STYLE = {  # kind -> extra attributes of the box's rect
     "accumulate": 'stroke="#2e7d32" stroke-width="2"',
@@ -80,7 +90,8 @@ def _full(graph: fx.Graph, nodes, groups):
         for arg in data_inputs(node):
             if arg in drawn:
                 edges.append((arg.name, node.name))
-    return boxes, edges
+    order = [(a.name, h.name) for a, h in display.after_accumulation(graph) if a in drawn and h in drawn]
+    return boxes, edges, order
 
 
 def _summary(graph: fx.Graph, nodes, groups):
@@ -129,7 +140,7 @@ def _summary(graph: fx.Graph, nodes, groups):
         for arg in data_inputs(n):
             if arg in unit and unit[arg] != unit[n]:
                 edges.append((unit[arg], unit[n]))
-    return boxes, list(dict.fromkeys(edges))
+    return boxes, list(dict.fromkeys(edges)), []
 
 
 def _clip(text: str, width: int) -> str:
@@ -145,8 +156,8 @@ def draw(gm: fx.GraphModule, detail: str = "auto", engine: str = "layered", titl
     groups = display.group_labels(graph)
     if detail == "auto":
         detail = "full" if len(nodes) <= FULL_LIMIT else "summary"
-    boxes, edges = (_full if detail == "full" else _summary)(graph, nodes, groups)
-    scene = Scene({b.id: b.size() for b in boxes}, edges)
+    boxes, edges, order = (_full if detail == "full" else _summary)(graph, nodes, groups)
+    scene = Scene({b.id: b.size() for b in boxes}, edges + order)
     if detail == "full":
         for b in boxes:
             if b.group is not None:
@@ -157,21 +168,36 @@ def draw(gm: fx.GraphModule, detail: str = "auto", engine: str = "layered", titl
     scene.bottom = {b.id for b in boxes if b.kind == "output"}
     layout = lay_out(scene, engine)
     hidden = sum(1 for n in graph.nodes if display.node_kind(n) in ("runtime", "size"))
-    header = [title or f"{len(groups)} autograd nodes, {len(nodes)} fx nodes drawn ({detail}; "
-              f"{hidden} runtime and size inputs not drawn; layout: {layout.engine})"]
+    header = [title or f"{_drawn_text(boxes, detail)} ({detail}; {hidden} runtime and size inputs not drawn; "
+              f"layout: {layout.engine})"]
     if detail == "full":
         passing = [groups[i] for i in display.pass_through(graph)]
         if passing:
             header.append(_clip(f"{len(passing)} autograd nodes hand their gradient on unchanged and record "
                                 "no fx node: " + ", ".join(passing), 160))
-    return _svg(boxes, edges, layout, groups, detail, header, gm.code)
+    return _svg(boxes, edges, order, layout, groups, detail, header, gm.code)
 
 
-def _svg(boxes, edges, layout: Layout, groups, detail, header, code) -> str:
+_WHAT = {"grad": "root gradient", "output": "output"}  # what an ungrouped summary box stands for
+
+
+def _drawn_text(boxes, detail) -> str:
+    """What the picture draws, counted from its boxes: ``47 boxes (fx nodes) in 12 frames
+    (autograd nodes)`` (full) or ``113 boxes: 111 autograd nodes, 1 root gradient, 1 output``
+    (summary)."""
+    if detail == "full":
+        frames = len({b.group for b in boxes if b.group is not None})
+        return f"{len(boxes)} boxes (fx nodes) in {frames} frames (autograd nodes)"
+    counts = Counter("autograd node" if b.group is not None else _WHAT.get(b.kind, b.kind) for b in boxes)
+    return f"{len(boxes)} boxes: " + ", ".join(f"{c} {what}" + ("s" if c > 1 else "") for what, c in counts.items())
+
+
+def _svg(boxes, edges, order, layout: Layout, groups, detail, header, code) -> str:
     marker = "gfx-arrow-" + hashlib.sha1((code + detail).encode()).hexdigest()[:10]
-    legend_w = _legend_width()
-    top = HEADER_H + LINE_H * (len(header) - 1)
-    width = max(layout.width, max(len(h) for h in header) * CHAR_W + 16, legend_w + 16)
+    kinds = _legend_kinds(boxes)
+    notes = len(header) - 1
+    top = NOTE_Y + LINE_H * (notes - 1) + NOTE_DESCENT if notes else HEADER_H
+    width = max(layout.width, max(len(h) for h in header) * CHAR_W + 16, _legend_width(kinds) + 16)
     height = layout.height + top
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
            f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="{FONT}" font-size="11">',
@@ -179,10 +205,10 @@ def _svg(boxes, edges, layout: Layout, groups, detail, header, code) -> str:
            'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#555"/>'
            '</marker></defs>',
            '<rect width="100%" height="100%" fill="#ffffff"/>',
-           f'<text x="8" y="15" font-weight="bold">{html.escape(header[0])}</text>']
-    out.append(_legend(8, 24))
+           f'<text class="title" x="8" y="{TITLE_Y}" font-weight="bold">{html.escape(header[0])}</text>']
+    out.append(_legend(8, LEGEND_Y, kinds))
     for k, line in enumerate(header[1:]):
-        out.append(f'<text x="8" y="{HEADER_H + LINE_H * k:.0f}" fill="#555">{html.escape(line)}</text>')
+        out.append(f'<text class="note" x="8" y="{NOTE_Y + LINE_H * k:.0f}" fill="#555">{html.escape(line)}</text>')
     out.append(f'<g class="graph" transform="translate(0,{top})">')
     if detail == "full":
         for index, (x0, y0, x1, y1) in sorted(layout.frames.items(), key=lambda kv: str(kv[0])):
@@ -190,14 +216,17 @@ def _svg(boxes, edges, layout: Layout, groups, detail, header, code) -> str:
             out.append(f'<g class="cluster" data-node="{html.escape(name)}"><title>{html.escape(name)}</title>'
                        f'<rect x="{x0:.1f}" y="{y0:.1f}" width="{x1 - x0:.1f}" height="{y1 - y0:.1f}" rx="6" '
                        'fill="#fafafa" stroke="#9e9e9e"/></g>')
-    for t, h in edges:
+    # order edges (a post-accumulate hook after its accumulation) carry no value: dashed
+    for t, h, after in [(t, h, False) for t, h in edges] + [(t, h, True) for t, h in order]:
         path = layout.paths.get((t, h))
         if path is None:
             continue
         d = " ".join(c + " " + " ".join(f"{x:.1f},{y:.1f}" for x, y in pts) for c, *pts in path)
-        out.append(f'<g class="edge" data-tail="{html.escape(t)}" data-head="{html.escape(h)}">'
-                   f'<title>{html.escape(t)} → {html.escape(h)}</title><path d="{d}" fill="none" '
-                   f'stroke="#555" stroke-width="1" marker-end="url(#{marker})"/></g>')
+        out.append(f'<g class="edge" data-tail="{html.escape(t)}" data-head="{html.escape(h)}"'
+                   + (' data-kind="order"' if after else "") + ">"
+                   f'<title>{html.escape(t)} → {html.escape(h)}{" (runs after)" if after else ""}</title>'
+                   f'<path d="{d}" fill="none" stroke="#555" stroke-width="1"'
+                   + (' stroke-dasharray="3 3"' if after else "") + f' marker-end="url(#{marker})"/></g>')
     for b in boxes:
         x, y = layout.centers[b.id]
         w, h = b.size()
@@ -225,20 +254,27 @@ def _svg(boxes, edges, layout: Layout, groups, detail, header, code) -> str:
     return "\n".join(out)
 
 
-_LEGEND = ("grad", "saved", "leaf", "compute", "accumulate", "hook", "opaque")
+_LEGEND = ("grad", "saved", "leaf", "input", "compute", "accumulate", "hook", "opaque", "check", "output")
 
 
-def _legend_width() -> float:
-    return sum(len(k) * CHAR_W + 26 for k in _LEGEND)
+def _legend_kinds(boxes) -> list[str]:
+    """The kinds the picture draws, in legend order; "hook" also for the dashed
+    border of a summary box that runs hooks."""
+    drawn = {b.kind for b in boxes} | ({"hook"} if any(b.dashed for b in boxes) else set())
+    return [k for k in _LEGEND if k in drawn] + sorted(drawn - set(_LEGEND))
 
 
-def _legend(x: float, y: float) -> str:
+def _legend_width(kinds) -> float:
+    return sum(len(k) * CHAR_W + 26 for k in kinds)
+
+
+def _legend(x: float, y: float, kinds) -> str:
     parts = ['<g class="legend">']
-    for kind in _LEGEND:
+    for kind in kinds:
         extra = _STYLE.get(kind, 'stroke="#607d8b"')
         parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="12" height="10" rx="2" '
-                     f'fill="{display.COLOURS[kind]}" {extra}/>'
-                     f'<text x="{x + 16:.1f}" y="{y + 9:.1f}">{kind}</text>')
+                     f'fill="{display.COLOURS.get(kind, "#fff")}" {extra}/>'
+                     f'<text x="{x + 16:.1f}" y="{y + 9:.1f}" data-kind="{kind}">{kind}</text>')
         x += len(kind) * CHAR_W + 26
     parts.append("</g>")
     return "".join(parts)
