@@ -1,22 +1,67 @@
-"""``python -m gradfx demo``: train a small model under gradfx and show what it captured."""
+"""``python -m gradfx demo``: train a small model under gradfx and show what it captured.
+
+Only the standard library is imported before the arguments are parsed: torch and
+gradfx load inside the command that runs, so that ``--help`` and a wrong argument
+answer without importing them (:func:`build_parser`).
+"""
 
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
-import torch
-import torch.nn as nn
+DESCRIPTION = """gradfx: compiled autograd for PyTorch.
+Each command runs a small program under gradfx and shows what it captured."""
+DEMO_HELP = ("train a small MLP for 3 steps under gradfx (eager backend), check its gradients against "
+             "eager autograd, print the captured backward graph and time the backward against eager")
+DEMO_DESCRIPTION = """Train a small MLP for 3 steps under gradfx (eager backend) and check its
+gradients against eager autograd; print the captured backward graph, its
+summary and passes; time the backward against eager."""
+EPILOG = """example:
+  python -m gradfx demo --steps 50 --svg graph.svg
 
-import gradfx
+In a program, wrap the backward:
+  with gradfx.compiled_autograd(backend="inductor"):
+      loss.backward()
+"""
 
 
-def _model():
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, built from the standard library alone."""
+    parser = argparse.ArgumentParser(prog="python -m gradfx", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", required=True)
+    demo_parser = commands.add_parser("demo", help=DEMO_HELP, description=DEMO_DESCRIPTION,
+                                      epilog="example:\n  python -m gradfx demo --steps 50 --svg graph.svg\n",
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo_parser.add_argument("--steps", type=_positive_int, default=20, metavar="N",
+                             help="backward passes to time, eager and gradfx each; the median is printed "
+                                  "(default: %(default)s)")
+    demo_parser.add_argument("--svg", metavar="PATH",
+                             help="also write a picture of the captured graph (SVG) to PATH")
+    return parser
+
+
+def _model(nn):
     return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 10))
 
 
 def _time_backward(model, x, y, use_gradfx, steps):
+    import torch
+    import torch.nn as nn
+
+    import gradfx
+
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     times = []
     for _ in range(steps):
@@ -34,9 +79,16 @@ def _time_backward(model, x, y, use_gradfx, steps):
 
 
 def demo(steps: int = 20, svg: str | None = None) -> None:
+    import copy
+
+    import torch
+    import torch.nn as nn
+
+    import gradfx
+
     torch.manual_seed(0)
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    model = _model()
+    model = _model(nn)
     reference = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
     print(f"Training a {len(list(model.modules())) - 1}-layer MLP for 3 steps under gradfx (eager backend)")
@@ -70,12 +122,9 @@ def demo(steps: int = 20, svg: str | None = None) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gradfx")
-    parser.add_argument("command", choices=["demo"])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--svg", metavar="PATH", help="also write the graph's picture (SVG) to PATH")
-    args = parser.parse_args(argv)
-    demo(args.steps, args.svg)
+    args = build_parser().parse_args(argv)  # --help and wrong arguments exit here, before torch loads
+    if args.command == "demo":
+        demo(args.steps, args.svg)
 
 
 if __name__ == "__main__":

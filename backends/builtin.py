@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
 from ..capture.errors import FallbackWarning
+from ..capture.stacklevel import user_stacklevel
 from ..capture.run import counters
 from ..capture.run.runtime_ops import accumulate_grad, accumulate_grad_unchecked
 from ..reorder.memory import frees_inputs_early
@@ -111,7 +112,7 @@ def _split_backend(name: str, compile_region):
         if any(map(aten_work, gm.graph.nodes)):  # else there is nothing to compile
             warnings.warn(f"gradfx: backend {name!r} runs a backward graph uncompiled (on the eager backend): its "
                           f"hooks, opaque calls or checks leave no run of {MIN_OPS} or more aten ops to compile",
-                          FallbackWarning)
+                          FallbackWarning, stacklevel=user_stacklevel())
             counters.note("uncompiled")
         return eager(gm, example_inputs)
     backend.__name__ = name
@@ -122,8 +123,9 @@ def _inductor_compile(pure: fx.GraphModule, example_inputs: list):
     from torch._inductor.compile_fx import compile_fx_inner
     start = time.perf_counter()
     compiled = compile_fx_inner(_functionalized(pure, example_inputs), example_inputs)
-    log.info("gradfx: inductor compiled a backward of %d fx nodes in %.1f s",
-             len(pure.graph.nodes), time.perf_counter() - start)
+    # A detail: the compile of the whole backward is logged at INFO (logs.backend_compiled).
+    log.debug("gradfx: inductor compiled a region of %d fx nodes in %.2f s",
+              len(pure.graph.nodes), time.perf_counter() - start)
     return compiled
 
 

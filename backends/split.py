@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.errors import FallbackWarning
+from ..capture.stacklevel import user_stacklevel
 from ..capture.run import counters
 from ..capture.trace.kinds import has_side_effect, kind_of
 from ..reorder.memory import free_inputs_early
@@ -149,7 +150,8 @@ class _Graph:
             return
         self.warned = True
         warnings.warn(f"gradfx: backend {self.name!r} failed to compile a region of a backward for new sizes or "
-                      f"strides ({type(err).__name__}: {err}); that region runs uncompiled", FallbackWarning)
+                      f"strides ({type(err).__name__}: {err}); that region runs uncompiled", FallbackWarning,
+                      stacklevel=user_stacklevel())
         counters.note("uncompiled")
 
 

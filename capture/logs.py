@@ -1,8 +1,8 @@
 """The ``gradfx`` logger, also reachable through ``TORCH_LOGS="+gradfx"``.
 
 gradfx logs with the standard ``logging`` module under the ``gradfx`` logger:
-captures and recapture reasons at INFO, backend compiles at INFO when they take
-over a second, details at DEBUG.  Registering the name with torch's logging
+captures, recapture reasons and every backend compile (:func:`backend_compiled`)
+at INFO, details at DEBUG.  Registering the name with torch's logging
 lets ``TORCH_LOGS="+gradfx"`` (DEBUG) or ``TORCH_LOGS="gradfx"`` (INFO) turn it
 on the way it does for torch's own components.
 
@@ -19,6 +19,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
+
+log = logging.getLogger("gradfx")
+
+
+def backend_compiled(backend: str, nodes: int, seconds: float, failed: str | None = None) -> None:
+    """Log one compile of a captured backward by the block's backend, at INFO:
+    which backend, how many fx nodes, how long (docs/API.md, Logging).  ``failed``:
+    the backend failed and the eager backend stands in (the warning says why)."""
+    if failed is None:
+        log.info("gradfx: backend %s compiled a backward of %d fx nodes in %.2f s", backend, nodes, seconds)
+    else:
+        log.info("gradfx: backend %s failed to compile a backward of %d fx nodes (%.2f s); the eager "
+                 "backend runs it", backend, nodes, seconds)
 
 
 def register_with_torch_logs() -> None:

@@ -1,7 +1,10 @@
-"""Guard text: what each symbol is, in a compact form when there are many."""
+"""Guard text: what each symbol is, in a compact form when there are many; why a
+backward was captured again (a new structure, new sizes), in words."""
 
+import logging
 import re
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -75,3 +78,145 @@ def test_dynamic_capture_guards_are_compact(monkeypatch):
         line.split()[1] for line in full if line.startswith("where "))
     equal = [line.split(" == ")[1] for line in compact if line.startswith("sizes[")]
     assert len(set(equal)) == len(equal)
+
+
+# -- the new-structure log: what changed, in words ------------------------------------
+
+
+def _logged(caplog, steps, word="new structure"):
+    """Run each step (a backward and the block arguments it runs under) after
+    gradfx.reset(); the log lines of the last step that contain ``word``."""
+    gradfx.reset()
+    with caplog.at_level(logging.INFO, logger="gradfx"):
+        for k, (backward, block) in enumerate(steps):
+            if k == len(steps) - 1:
+                caplog.clear()
+            with gradfx.compiled_autograd(**block):
+                backward()
+    return [r.getMessage() for r in caplog.records if word in r.getMessage() and r.name == "gradfx"]
+
+
+def _twice(first, second, **block):
+    return [(first, block), (second, block)]
+
+
+_x = torch.randn(3, requires_grad=True)
+_y = torch.randn(3, requires_grad=True)
+_column = torch.randn(3, 1, requires_grad=True)
+
+
+def _hooked():
+    a = _x * 2
+    a.register_hook(lambda g: g)
+    a.sum().backward()
+
+
+def _saved_under_hooks():
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = (_x * _y).sum()
+    loss.backward()
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, s):
+        ctx.s = s
+        return a * s
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.s, None
+
+
+_TracedScale = gradfx.traceable(_Scale)
+
+_CASES = {
+    "roots": (_twice(lambda: torch.autograd.backward([(_x * 2).sum()]),
+                     lambda: torch.autograd.backward([(_x * 2).sum(), (_x * 3).sum()])),
+              r"the roots changed: the backward started at 1 tensor, now 2"),
+    "node type": (_twice(lambda: (_x * 2).sum().backward(), lambda: (_x + 2).sum().backward()),
+                  r"node 1 is now AddBackward0 #\d+ instead of MulBackward0"),
+    "saved value": (_twice(lambda: _x.pow(2.0).sum().backward(), lambda: _x.pow(3.0).sum().backward()),
+                    r"node 1 \(PowBackward0 #\d+\): saved exponent changed from 2\.0 to 3\.0"),
+    "saved value type": (_twice(lambda: _x.pow(2).sum().backward(), lambda: _x.pow(2.0).sum().backward()),
+                         r"node 1 \(PowBackward0 #\d+\): saved exponent changed from 2 \(an int\) to 2\.0 \(a float\)"),
+    "saved sizes": (_twice(lambda: _x.sum().backward(), lambda: _column.sum().backward()),
+                    r"node 0 \(SumBackward0 #\d+\): a size changed: saved self_sym_sizes holds 2 sizes now, "
+                    r"1 size before"),
+    "rank": (_twice(lambda: (_x * 2).sum().backward(), lambda: (_x.view(1, 3) * 2).sum().backward()),
+             r"node 2 is now ViewBackward0 #\d+ instead of AccumulateGrad \(4 nodes now, 3 before\)"),
+    "edge": (_twice(lambda: (_x * _y.detach()).sum().backward(), lambda: (_x * _y).sum().backward()),
+             r"node 1 \(MulBackward0 #\d+\): its gradient for input 1 is needed now \(it goes to node 3 "
+             r"\(AccumulateGrad #leaf\)\), before it was not"),
+    "root gradient": (_twice(lambda: (_x * 2).sum().backward(), lambda: (_x.double() * 2).sum().backward()),
+                      r"the gradient of root 0 is float64 now, float32 before"),
+    "hooks": (_twice(lambda: (_x * 2).sum().backward(), _hooked),
+              r"node 1 \(MulBackward0 #\d+\): it has hooks now: 1 tensor hook; none before"),
+    "inputs": (_twice(lambda: (_x * _y).sum().backward(), lambda: torch.autograd.grad((_x * _y).sum(), [_x])),
+               r"the backward now computes the gradients of 1 input \(autograd\.grad or backward\(inputs=\.\.\.\)\); "
+               r"before, of every leaf"),
+    "create_graph": (_twice(lambda: torch.autograd.grad((_x * _x).sum(), [_x]),
+                            lambda: torch.autograd.grad((_x * _x).sum(), [_x], create_graph=True)),
+                     r"create_graph=True now, False before"),
+    "saved-tensor hooks": (_twice(lambda: (_x * _y).sum().backward(), _saved_under_hooks),
+                           r"node 1 \(MulBackward0 #\d+\): its saved tensors are under saved-tensor hooks now"),
+    "ctx": (_twice(lambda: _TracedScale.apply(_x, 2.0).sum().backward(),
+                   lambda: _TracedScale.apply(_x, 3.0).sum().backward()),
+            r"node 1 \(_ScaleBackward #\d+\): ctx\.s changed from 2\.0 to 3\.0"),
+    "same graph, another block": ([(lambda: (_x * 2).sum().backward(), {}),
+                                   (lambda: (_x * 2).sum().backward(), {"backend": "aot_eager"})],
+                                  r"the autograd graph is the one captured last; the block differs"),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_new_structure_says_what_changed_in_words(caplog, case):
+    steps, expected = _CASES[case]
+    logged = _logged(caplog, steps)
+    assert len(logged) == 1, logged
+    assert re.fullmatch(r"gradfx: new structure \(vs the last capture\): " + expected + r".*", logged[0]), logged[0]
+    assert "<class" not in logged[0] and "((" not in logged[0]  # no key items as Python reprs
+
+
+def test_new_structure_without_words_still_names_the_node(caplog, monkeypatch):
+    # A key item this code cannot read: the generic line, still readable.
+    monkeypatch.setattr(explain, "structure_change", lambda *a: 1 / 0)
+    logged = _logged(caplog, _twice(lambda: _x.pow(2.0).sum().backward(), lambda: _x.pow(3.0).sum().backward()))
+    assert len(logged) == 1
+    assert re.fullmatch(r"gradfx: new structure \(vs the last capture\): at node 1 \(PowBackward0 #\d+\): "
+                        r"'2\.0' -> '3\.0'", logged[0]), logged[0]
+
+
+def _batches(*batches):
+    lin = nn.Linear(16, 4)
+    return [(lambda b=b: lin(torch.randn(b, 16)).sum().backward(), {}) for b in batches]
+
+
+def test_recapture_groups_the_sizes_that_changed(caplog):
+    logged = _logged(caplog, _batches(24, 37), word="recapture")
+    assert len(logged) == 1, logged
+    assert re.search(r"; 4 sizes changed 24 -> 37 \(SumBackward0 #\d+ saved self_sym_sizes\[0\], gradient 0 of "
+                     r"AddmmBackward0 #\d+ dim 0, AddmmBackward0 #\d+ saved mat1_sym_sizes\[0\] and 1 more\) "
+                     r"\(static so far: dynamic='auto' makes the sizes that changed symbolic",
+                     logged[0]), logged[0]
+
+
+@pytest.mark.parametrize("dynamic, symbolic, note", [
+    ("auto", False, "(static so far: dynamic='auto' makes the sizes that changed symbolic from this capture on, "
+                    "except sizes of 0 or 1)"),
+    ("auto", True, "(symbolic already: the new sizes fail a guard of the graph, such as a size of 0 or 1)"),
+    (False, False, "(static: under dynamic=False each new size is a new capture)"),
+    (None, False, ""),
+])
+def test_size_change_says_what_the_capture_does_with_them(caplog, monkeypatch, dynamic, symbolic, note):
+    seen = []
+    size_change = explain.size_change
+
+    def spy(call, old_sizes, **kw):
+        changed = [p for p, (a, b) in enumerate(zip(old_sizes, call.sizes)) if a != b]
+        seen.append(size_change(call, old_sizes, dynamic=dynamic, symbolic=changed if symbolic else ()))
+        return size_change(call, old_sizes, **kw)
+    monkeypatch.setattr(explain, "size_change", spy)
+    _logged(caplog, _batches(24, 37), word="recapture")
+    assert len(seen) == 1
+    assert seen[0].startswith("4 sizes changed 24 -> 37 (") and seen[0].endswith(")" + (" " + note if note else ""))

@@ -304,7 +304,9 @@ def test_a_graph_with_nothing_to_compile_warns_once_and_counts_uncompiled():
             warnings.simplefilter("always")
             with gradfx.compiled_autograd(backend="aot_eager") as session:
                 h.exp().sum().backward()
-        said += [str(w.message) for w in caught if issubclass(w.category, gradfx.FallbackWarning)]
+        fallbacks = [w for w in caught if issubclass(w.category, gradfx.FallbackWarning)]
+        assert all(w.filename == __file__ for w in fallbacks)  # it points at the backward call
+        said += [str(w.message) for w in fallbacks]
         assert len(said) == 1 and session.stats["uncompiled"] == (1 if step == 0 else 0)
     assert "'aot_eager' runs a backward graph uncompiled" in said[0] and "no run of 3 or more aten ops" in said[0]
     assert gradfx.stats()["uncompiled"] == 1 and gradfx.stats()["cache_hits"] == 2

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import time
 import warnings
@@ -24,7 +23,7 @@ from torch._C._functorch import is_legacy_batchedtensor as _is_legacy_batched
 
 from ... import backends, reorder
 from ...backends.identity import Key, callable_key
-from .. import pipeline, torch_releases
+from .. import logs, pipeline, torch_releases
 from ..view import annotate
 from ..graph import fast_walk
 from . import continuation, counters, hook_ops, routing, self_check
@@ -32,6 +31,7 @@ from .cache import Assumed, cache
 from ..view.captured_graph import CapturedGraph
 from ..errors import FallbackWarning, Unsupported, _Fallback
 from .runtime_ops import Diverged, WrongGradient
+from ..stacklevel import user_stacklevel
 from ..graph.saved import ForeignHooks
 from ..view import explain
 from ..graph.kinds import OPAQUE
@@ -249,7 +249,7 @@ class Session:
         if reason not in warned:
             warned.add(reason)
             warnings.warn(f"gradfx: running this backward on the eager engine: {reason}",
-                          FallbackWarning, stacklevel=_user_stacklevel())
+                          FallbackWarning, stacklevel=user_stacklevel())
         self._count("fallbacks")
         return engine.run_backward(*args)
 
@@ -266,7 +266,8 @@ class Session:
             if log.isEnabledFor(logging.INFO):
                 failed = "; ".join(f"guard {e.guard.failing(call.sizes)}" for e in cache.entries(structure)[:2])
                 log.info("gradfx: recapture: %s; %s", failed or "no graph",
-                         explain.size_change(call, cache.last_sizes[structure]))
+                         explain.size_change(call, cache.last_sizes[structure], dynamic=self.dynamic,
+                                             symbolic=cache.dynamic_positions.get(structure, ())))
         else:
             explain.log_structure_miss(call)
         made = pipeline.capture_call(call, self._dynamic_positions(call, structure), self.passes,
@@ -349,10 +350,7 @@ class Session:
             self._backend_failed(failed, err)
             self._count("uncompiled")
             compiled = backends.compile_with(backends.builtin.eager, gm, example_inputs)
-        seconds = time.perf_counter() - start
-        level = logging.INFO if seconds > 1.0 else logging.DEBUG
-        log.log(level, "gradfx: backend %s compiled %d fx nodes in %.2f s", self.backend_name,
-                len(gm.graph.nodes), seconds)
+        logs.backend_compiled(self.backend_name, len(gm.graph.nodes), time.perf_counter() - start, failed)
         return compiled, failed
 
     def _compile_with_history(self, gm: fx.GraphModule, example_inputs: list):
@@ -385,7 +383,7 @@ class Session:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"gradfx: {reason}; running the graph on the eager backend", FallbackWarning,
-                          stacklevel=_user_stacklevel())
+                          stacklevel=user_stacklevel())
 
     def _call_compiled(self, entry: CompiledBackward, inputs: list):
         try:
@@ -475,20 +473,6 @@ def _grad_inputs(call: BackwardCall) -> frozenset | None:
     if call.accumulate:
         return None
     return frozenset(id(call.nodes[out[0]]) for out in call.outputs if out is not None)
-
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_INTERNAL = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) + tuple(
-    os.path.join(_ROOT, d) + os.sep for d in ("capture", "backends", "reorder"))
-
-
-def _user_stacklevel() -> int:
-    """``stacklevel`` for a warning raised by our caller: the first frame outside torch
-    and gradfx (the user's backward call), however many wrappers lie between."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
 
 
 def _eager_refuses(tensors, inputs) -> bool:
