@@ -216,6 +216,12 @@ simple("IndexSelectBackward0",
        lambda: leaf(4, 3).index_select(0, torch.tensor([], dtype=torch.long)))
 
 
+from test_data_sizes import RULE_CASES  # noqa: E402  (the rules for sizes that follow the data)
+
+for _name, _fns in RULE_CASES.items():
+    simple(_name, *_fns)
+
+
 def _cases():
     for name, fns in sorted(CASES.items()):
         for k, fn in enumerate(fns):

@@ -34,8 +34,17 @@ TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "functi
 _SIZE_WORDS = ("sizes", "strides", "numel", "argsize", "split_size")
 # Saved plain ints that are sizes though their names do not say so, per node type:
 # group_norm's batch, channels and the product of its spatial dims follow the data.
+# An upsampling's output_size is its output's spatial sizes (computed from the input's
+# sizes where a scale factor is given).
+_UPSAMPLE_NODES = (
+    "UpsampleNearest1DBackward0", "UpsampleNearestExact1DBackward0", "UpsampleNearest2DBackward0",
+    "UpsampleNearestExact2DBackward0", "UpsampleNearest3DBackward0", "UpsampleNearestExact3DBackward0",
+    "UpsampleLinear1DBackward0", "UpsampleBilinear2DBackward0", "UpsampleBicubic2DBackward0",
+    "UpsampleTrilinear3DBackward0", "UpsampleBilinear2DAaBackward0", "UpsampleBicubic2DAaBackward0",
+)
 _NAMED_SIZES = {
     "NativeGroupNormBackward0": frozenset({"_saved_N", "_saved_C", "_saved_HxW"}),
+    **{name: frozenset({"_saved_output_size"}) for name in _UPSAMPLE_NODES},
 }
 
 

@@ -52,6 +52,7 @@ RUN_REAL: dict[str, str] = {
     "BlockDiagBackward0": "reads the sizes of every input, hidden in C++",
     "NativeDropoutBackward0": "reads the train flag (the scale), hidden in C++",
     "ToDenseBackward0": "reads masked_grad, hidden in C++",
+    "PackPaddedSequenceBackward0": "reads the batch sizes' data (a saved tensor): fakes hold none",
     "CppFunction": "every node without Python bindings (foreach ops, C++ custom Functions): one type, "
                    "no saved values to key",
     # The cached graph would fix the size of the values a boolean mask selects (data).

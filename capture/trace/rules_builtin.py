@@ -8,6 +8,8 @@ are symbolic).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .rules import hidden_rule, reshape_groups, rule
@@ -489,6 +491,8 @@ _UPSAMPLE = {
     "UpsampleBicubic2DBackward0": (aten.upsample_bicubic2d_backward.default, True, ("scales_h", "scales_w")),
     "UpsampleTrilinear3DBackward0": (aten.upsample_trilinear3d_backward.default, True,
                                      ("scales_d", "scales_h", "scales_w")),
+    "UpsampleBilinear2DAaBackward0": (aten._upsample_bilinear2d_aa_backward.default, True, ("scales_h", "scales_w")),
+    "UpsampleBicubic2DAaBackward0": (aten._upsample_bicubic2d_aa_backward.default, True, ("scales_h", "scales_w")),
 }
 
 
@@ -497,7 +501,9 @@ def _upsample_rule(name):
 
     @rule(name)
     def upsample_backward(saved, grad):
-        """upsample_*_backward_symint(grad, output_size, self.sym_sizes(), [align_corners,] scales...)"""
+        """upsample_*_backward_symint(grad, output_size, self.sym_sizes(), [align_corners,] scales...).
+        The linear, bilinear, bicubic (also antialiased) and trilinear ops have only a C++ meta
+        function, which takes no symbolic sizes: it raises on them, and the node runs as itself."""
         args = (saved.align_corners,) if align else ()
         return (op(grad, list(saved.output_size), saved.self_sym_sizes, *args,
                    *(getattr(saved, s) for s in scales)),)
@@ -512,3 +518,187 @@ for _name in _UPSAMPLE:
 def unfold_backward0(saved, grad):
     """unfold_backward_symint(grad, self.sym_sizes(), dimension, size, step)"""
     return (aten.unfold_backward.default(grad, saved.self_sym_sizes, _i64(saved.dimension), saved.size, saved.step),)
+
+
+# -- formulas whose ops keep symbolic sizes only under torch's Python dispatcher ------
+
+def _fake_kernels(t):
+    """Context for a rule's aten calls: while tracing (``t`` a fake tensor), torch's Python
+    dispatcher.  Without it the fake kernels of constant_pad_nd, im2col and the FFTs run
+    their C++ meta functions, which read plain sizes: the fake tensor falls back to running
+    the op on the sizes' hints and specializes every size it touches.  With it they run
+    their Python meta functions (symbolic).  The graph records the op itself either way
+    (each rule calls the op the C++ formula calls), and on real tensors nothing changes."""
+    from torch._subclasses.fake_tensor import is_fake
+    if not is_fake(t):
+        return contextlib.nullcontext()
+    from torch._dispatch.python import enable_python_dispatcher
+    return enable_python_dispatcher()
+
+
+@rule("ConstantPadNdBackward0")
+def constant_pad_nd_backward0(saved, grad):
+    """constant_pad_nd_backward: constant_pad_nd_symint(grad, the pads negated, 0)"""
+    with _fake_kernels(grad):
+        return (aten.constant_pad_nd.default(grad, [-p for p in _dims(saved.pad)]),)
+
+
+@rule("Im2ColBackward0")
+def im2col_backward0(saved, grad):
+    """col2im_symint(grad, {self.sym_size(-2), self.sym_size(-1)}, kernel_size, dilation, padding, stride)"""
+    with _fake_kernels(grad):
+        return (aten.col2im.default(grad, [saved.self_sym_argsize_minus_2, saved.self_sym_argsize_minus_1],
+                                    list(saved.kernel_size), list(saved.dilation), list(saved.padding),
+                                    list(saved.stride)),)
+
+
+@rule("Col2ImBackward0")
+def col2im_backward0(saved, grad):
+    """im2col(grad, kernel_size, dilation, padding, stride)"""
+    with _fake_kernels(grad):
+        return (aten.im2col.default(grad, list(saved.kernel_size), list(saved.dilation), list(saved.padding),
+                                    list(saved.stride)),)
+
+
+@rule("FftR2CBackward0")
+def fft_r2c_backward0(saved, grad):
+    """fft_r2c_backward(grad, dim, normalization, onesided, self.sym_size(dim.back())): one-sided,
+    the gradient copied into zeros of the full last dim; then the inverse c2c transform's real part."""
+    dims = _dims(saved.dim)
+    with _fake_kernels(grad):
+        if saved.onesided:
+            last = _wrap(dims[-1], grad.dim())
+            shape = list(grad.shape)
+            half, shape[last] = shape[last], saved.self.shape[last]
+            full = grad.new_zeros(shape)
+            full.narrow(last, 0, half).copy_(grad)
+            grad = full
+        return (torch.real(aten._fft_c2c.default(grad, dims, saved.normalization, False)),)
+
+
+@rule("FftC2RBackward0")
+def fft_c2r_backward0(saved, grad):
+    """fft_c2r_backward: the one-sided r2c transform of grad, its entries that stand for a
+    mirrored pair too (1 .. grad's last size - its own) doubled in place."""
+    dims = _dims(saved.dim)
+    with _fake_kernels(grad):
+        g = aten._fft_r2c.default(grad, dims, saved.normalization, True)
+        last = _wrap(dims[-1], grad.dim())
+        double = grad.shape[last] - g.shape[last]
+        if double > 0:  # size branch
+            aten.mul_.Scalar(g.narrow(last, 1, double), 2)
+    return (g,)
+
+
+@rule("FftC2CBackward0")
+def fft_c2c_backward0(saved, grad):
+    """_fft_c2c_symint(grad, dim, normalization, !forward)"""
+    with _fake_kernels(grad):
+        return (aten._fft_c2c.default(grad, _dims(saved.dim), saved.normalization, not saved.forward),)
+
+
+# -- formulas that read saved sizes -----------------------------------------------------
+
+@rule("DiagonalBackward0")
+def diagonal_backward0(saved, grad):
+    """diagonal_backward_symint(grad, self.sym_sizes(), offset, dim1, dim2)"""
+    with _fake_kernels(grad):
+        return (aten.diagonal_backward.default(grad, saved.self_sym_sizes, _i64(saved.offset), _i64(saved.dim1),
+                                               _i64(saved.dim2)),)
+
+
+@rule("TraceBackward0")
+def trace_backward0(saved, grad):
+    """trace_backward_symint(grad, self.sym_sizes()) (a composite: zeros, arange, index_fill, view)"""
+    return (aten.trace_backward.default(grad, saved.self_sym_sizes),)
+
+
+@rule("MaskedScatterBackward0")
+def masked_scatter_backward0(saved, grad):
+    """self: grad.masked_fill(mask, 0); source: masked_scatter_backward_symint(grad, mask, source.sym_sizes())"""
+    mask = saved.mask
+    return (grad.masked_fill(mask, 0), aten.masked_scatter_backward.default(grad, mask, saved.source_sym_sizes))
+
+
+def _infer_size(a, b):
+    """at::infer_size: the broadcast of two shapes (right-aligned, a 1 gives way)."""
+    n = max(len(a), len(b))
+    a, b = [1] * (n - len(a)) + list(a), [1] * (n - len(b)) + list(b)
+    return [y if x == 1 else x for x, y in zip(a, b)]  # size branch
+
+
+@rule("MaskedSelectBackward0")
+def masked_select_backward0(saved, grad):
+    """masked_select_backward: zeros like self expanded to the broadcast of self and mask,
+    grad scattered into them where the mask holds (the broadcast is summed out after)."""
+    x, mask = saved.self, saved.mask
+    zeros = torch.zeros_like(x.expand(_infer_size(x.shape, mask.shape)), memory_format=torch.preserve_format)
+    return (zeros.masked_scatter_(mask, grad),)
+
+
+# -- formulas that read a hidden input's sizes (``src_info``): the sizes are grad's part ----
+# The C++ formulas make their zeros from sizes the node keeps hidden from Python (the
+# source's TypeAndSize), which a symbolic trace would bake in without a guard.  Those
+# sizes are the sizes of the part of grad the source was scattered into (or, for put,
+# of the saved source): the rules read them there.  The zeros' dtype is grad's: the
+# scatter copies them into grad's dtype either way.
+
+def _zeros_of(like, grad):
+    return torch.zeros(like.shape, dtype=grad.dtype, device=grad.device)
+
+
+@rule("SelectScatterBackward0")
+def select_scatter_backward0(saved, grad):
+    """self: select_scatter(grad, zeros_like(src), dim, index); src: grad.select(dim, index)"""
+    dim, index = _i64(saved.dim), _i64(saved.index)
+    part = grad.select(dim, index)
+    return (aten.select_scatter.default(grad, _zeros_of(part, grad), dim, index), part)
+
+
+@rule("SliceScatterBackward0")
+def slice_scatter_backward0(saved, grad):
+    """self: slice_scatter(grad, zeros_like(src), dim, start, end, step); src: grad.slice(dim, start, end, step)"""
+    start = None if saved.start is None else _i64(saved.start)
+    end = None if saved.end is None else _i64(saved.end)
+    dim, step = _i64(saved.dim), saved.step
+    part = aten.slice.Tensor(grad, dim, start, end, step)
+    return (aten.slice_scatter.default(grad, _zeros_of(part, grad), dim, start, end, step), part)
+
+
+@rule("DiagonalScatterBackward0")
+def diagonal_scatter_backward0(saved, grad):
+    """self: diagonal_scatter(grad, zeros_like(src), offset, dim1, dim2); src: grad.diagonal(offset, dim1, dim2)"""
+    offset, dim1, dim2 = _i64(saved.offset), _i64(saved.dim1), _i64(saved.dim2)
+    part = grad.diagonal(offset, dim1, dim2)
+    return (aten.diagonal_scatter.default(grad, _zeros_of(part, grad), offset, dim1, dim2), part)
+
+
+@rule("PutBackward0")
+def put_backward0(saved, grad):
+    """self: grad (accumulate) or grad.put(index, zeros_like(source), false); source:
+    grad.take(index).reshape_as(source).  put reads its source flattened: without a saved
+    source, zeros of the index's shape (as many elements) put the same."""
+    index, source = saved.index, saved.source
+    self_grad = grad
+    if not saved.accumulate:
+        self_grad = aten.put.default(grad, index, _zeros_of(source if source is not None else index, grad), False)
+    source_grad = None if source is None else aten.take.default(grad, index).reshape_as(source)
+    return (self_grad, source_grad)
+
+
+def _fractional_max_pool_rule(name, op):
+    @rule(name)
+    def fractional_max_pool_backward(saved, grad):
+        """fractional_max_pool{2,3}d_backward(grad, self, kernel_size, output_size, result1).  The
+        op's fake kernel is its C++ meta function, which reads plain sizes: traced with symbolic
+        sizes it would specialize every one, so the rule raises there and the node runs as
+        itself (its neighbours keep their symbols)."""
+        x = saved.self
+        if any(isinstance(d, torch.SymInt) for t in (grad, x) for d in t.shape):
+            raise NotImplementedError(f"{op} has no symbolic meta function")
+        return (op(grad, x, list(saved.kernel_size), list(saved.output_size), saved.result1),)
+    return fractional_max_pool_backward
+
+
+_fractional_max_pool_rule("FractionalMaxPool2DBackward0", aten.fractional_max_pool2d_backward.default)
+_fractional_max_pool_rule("FractionalMaxPool3DBackward0", aten.fractional_max_pool3d_backward.default)

@@ -667,6 +667,82 @@ def _upsample(rel, n):
         rel.tie(own[:2], src[:2])
 
 
+def _upsample_output(rel, n):
+    """upsample_*: and the output's spatial sizes are the saved output_size."""
+    _upsample(rel, n)
+    own, out = n.meta(), n.value("_saved_output_size")
+    if own is not None and out is not None and len(own) == len(out) + 2:
+        rel.tie(own[2:], out)
+
+
+def _kernel_volume(n):
+    ks = n.attr("_saved_kernel_size")
+    return math.prod(ks) if isinstance(ks, tuple) and ks else None
+
+
+def _im2col(rel, n):
+    """unfold (im2col): input (N, C, H, W), output (N, C * kh * kw, L); the saved H and W are
+    the input's."""
+    own, src = n.meta(), n.edge(0)
+    if src is None or len(src) < 2:
+        return
+    rel.tie(n.value("_saved_self_sym_argsize_minus_2") or [None], src[-2:-1])
+    rel.tie(n.value("_saved_self_sym_argsize_minus_1") or [None], src[-1:])
+    k = _kernel_volume(n)
+    if own is not None and len(own) == len(src) - 1 and k is not None:
+        if len(src) == 4:
+            rel.tie(own[:1], src[:1])
+        rel.derive(own[-2], [Const(k), src[-3]])
+
+
+def _col2im(rel, n):
+    """fold (col2im): input (N, C * kh * kw, L), output (N, C, H, W)."""
+    own, src = n.meta(), n.edge(0)
+    k = _kernel_volume(n)
+    if own is None or src is None or len(own) != len(src) + 1 or len(own) < 3 or k is None:
+        return
+    if len(own) == 4:
+        rel.tie(own[:1], src[:1])
+    rel.derive(src[-2], [Const(k), own[-3]])
+
+
+def _constant_pad(rel, n):
+    """constant_pad_nd: the dims without padding keep their sizes (pads pair up from the last dim)."""
+    own, src, pad = n.meta(), n.edge(0), n.attr("_saved_pad")
+    if own is None or src is None or len(own) != len(src) or not isinstance(pad, tuple) or len(pad) % 2:
+        return
+    padded = {len(own) - 1 - k // 2 for k, p in enumerate(pad) if p != 0}
+    keep = [d for d in range(len(own)) if d not in padded]
+    rel.tie([own[d] for d in keep], [src[d] for d in keep])
+
+
+def _masked_scatter(rel, n):
+    """masked_scatter: the output has self's shape; the saved source sizes are the source's."""
+    _shape_keeping(rel, n)
+    n.arg(rel, "source", 1)
+
+
+def _diagonal(rel, n):
+    """diagonal: self's sizes but dim1 and dim2, then the diagonal's length."""
+    own, src = n.meta(), n.value("_saved_self_sym_sizes")
+    d1, d2 = n.attr("_saved_dim1"), n.attr("_saved_dim2")
+    if own is None or src is None or not isinstance(d1, int) or not isinstance(d2, int) or len(src) < 2:
+        return
+    gone = {_wrap(d1, len(src)), _wrap(d2, len(src))}
+    kept = [p for d, p in enumerate(src) if d not in gone]
+    if len(own) == len(kept) + 1:
+        rel.tie(own[:-1], kept)
+
+
+def _fft_last(rel, n):
+    """The r2c / c2r transforms: every dim but the last transformed one keeps its size."""
+    own, src, dims = n.meta(), n.edge(0), n.attr("_saved_dim")
+    if own is None or src is None or len(own) != len(src) or not isinstance(dims, tuple) or not dims:
+        return
+    last = _wrap(dims[-1], len(own))
+    rel.tie([p for d, p in enumerate(own) if d != last], [p for d, p in enumerate(src) if d != last])
+
+
 SHAPE_KEEPING = frozenset({
     "AbsBackward0", "AliasBackward0", "AddBackward1", "CloneBackward0", "CosBackward0", "DivBackward1", "EluBackward0",
     "ExpBackward0", "GeluBackward0", "HardswishBackward0", "LeakyReluBackward0", "LogBackward0",
@@ -674,6 +750,8 @@ SHAPE_KEEPING = frozenset({
     "NegBackward0", "PowBackward0", "ReluBackward0", "RsqrtBackward0",
     "SigmoidBackward0", "SiluBackward0", "SinBackward0", "SoftmaxBackward0", "SqrtBackward0",
     "SubBackward1", "TanhBackward0", "ThresholdBackward0", "ToCopyBackward0",
+    "FftC2CBackward0", "SelectScatterBackward0", "SliceScatterBackward0", "DiagonalScatterBackward0",
+    "PutBackward0",
 })
 BROADCASTING = frozenset({
     "AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0", "MaximumBackward0", "MinimumBackward0",
@@ -687,11 +765,15 @@ RELATIONS = {
     **{k: _broadcasting for k in BROADCASTING},
     "NativeLayerNormBackward0": _layer_norm, "NativeGroupNormBackward0": _group_norm,
     "IndexSelectBackward0": _index_select, "RepeatBackward0": _repeat,
-    **{k: _upsample for k in ("UpsampleNearest1DBackward0", "UpsampleNearestExact1DBackward0",
-                              "UpsampleNearest2DBackward0", "UpsampleNearestExact2DBackward0",
-                              "UpsampleNearest3DBackward0", "UpsampleNearestExact3DBackward0",
-                              "UpsampleLinear1DBackward0", "UpsampleBilinear2DBackward0",
-                              "UpsampleBicubic2DBackward0", "UpsampleTrilinear3DBackward0")},
+    **{k: _upsample_output for k in ("UpsampleNearest1DBackward0", "UpsampleNearestExact1DBackward0",
+                                     "UpsampleNearest2DBackward0", "UpsampleNearestExact2DBackward0",
+                                     "UpsampleNearest3DBackward0", "UpsampleNearestExact3DBackward0",
+                                     "UpsampleLinear1DBackward0", "UpsampleBilinear2DBackward0",
+                                     "UpsampleBicubic2DBackward0", "UpsampleTrilinear3DBackward0",
+                                     "UpsampleBilinear2DAaBackward0", "UpsampleBicubic2DAaBackward0")},
+    "Im2ColBackward0": _im2col, "Col2ImBackward0": _col2im, "ConstantPadNdBackward0": _constant_pad,
+    "MaskedScatterBackward0": _masked_scatter, "DiagonalBackward0": _diagonal,
+    "FftR2CBackward0": _fft_last, "FftC2RBackward0": _fft_last,
     **{k: _value_selecting for k in ("MaxBackward0", "MinBackward0", "KthvalueBackward0", "ModeBackward0",
                                      "MedianBackward1", "NanmedianBackward1", "TopkBackward0", "SortBackward0",
                                      "SortBackward1")},
