@@ -23,7 +23,7 @@ from functools import partial
 
 from . import distributed, hooks
 from .kinds import (ACCUMULATE, ctx_key, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
-                    function_materializes, kind_of, value_key)
+                    function_materializes, kind_of, stream_ok, value_key)
 from .saved import ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks, readable
 from .walk import BackwardCall, root_edge
 
@@ -170,7 +170,7 @@ def generate(call: BackwardCall, tensors, structure):
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, ctx_key=ctx_key,
                      materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched,
                      ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
-                     partial=partial,
+                     partial=partial, stream_ok=stream_ok,
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)

@@ -20,11 +20,13 @@ hooks.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from ..errors import _Fallback
 from . import hooks
 from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, readable, take_saved, unreadable
 
@@ -223,6 +225,56 @@ class Walk:
         return (t.dtype, t.device, t.layout, t.dim(), stride_start < 0)
 
 
+# -- streams (the engine's Note [Streaming backwards]) ------------------------------
+# A CUDA node's input metadata records the stream its forward ran on: eager runs the
+# node's backward there, syncs gradients that cross streams and, at the end, the
+# caller's current streams with the leaves' streams.  gradfx runs the whole graph on
+# the caller's current stream of each device: eager's behaviour only where every CUDA
+# node ran on that stream.  torch 2.11 and 2.13 do not expose the stream to Python
+# (InputMetadata has shape, dtype, device, is_nested_tensor, is_cpp_nested_tensor),
+# so there every CUDA graph is refused, unless ``assume_current_stream`` is set: the
+# program's promise that its forwards ran on the stream current at backward().  CPU
+# metadata is never looked at.
+
+assume_current_stream = False
+_THIS = sys.modules[__name__]  # where generated walkers read it
+
+
+def stream_reason(meta, node) -> str | None:
+    """None if the node whose CUDA input metadata is ``meta`` would run on the caller's
+    current stream in eager too; else why it must run on the eager engine."""
+    stream = getattr(meta, "stream", None)  # no release exposes it yet
+    if stream is None:
+        if assume_current_stream:
+            return None
+        return (f"a CUDA node ({type(node).__name__}): torch {torch.__version__} does not say which stream its "
+                "forward ran on, and gradfx runs the backward on the current stream (set "
+                "gradfx.capture.graph.kinds.assume_current_stream = True where forwards run on it)")
+    current = torch.cuda.current_stream(meta.device)
+    if (stream.stream_id, stream.device_index) == (current.stream_id, current.device_index):
+        return None
+    return (f"{type(node).__name__}'s forward ran on CUDA stream {stream.stream_id}, not the caller's current "
+            f"stream {current.stream_id} of {meta.device} (eager runs it on its own stream)")
+
+
+def _check_stream(meta, node) -> None:
+    reason = stream_reason(meta, node)
+    if reason is not None:
+        raise _Fallback(reason, process_wide=getattr(meta, "stream", None) is None)
+
+
+def stream_ok(meta) -> bool:
+    """The generated walker's form of the check (a miss: the generic walk says why)."""
+    return stream_reason(meta, None) is None
+
+
+def emit_stream(src, meta) -> str:
+    """The generated walker's condition on the CUDA metadata ``mk`` recorded as ``meta``."""
+    if getattr(meta, "stream", None) is None:  # unreadable on this release: the promise alone
+        return f"{src.const(_THIS)}.assume_current_stream"
+    return "stream_ok(mk)"
+
+
 # -- the pieces every kind is made of: walk and code side by side -------------------
 
 def walk_metas(w: Walk, rec: NodeRecord, node) -> None:
@@ -232,7 +284,10 @@ def walk_metas(w: Walk, rec: NodeRecord, node) -> None:
     for meta in node._input_metadata:
         shape = meta.shape
         w.sizes.extend(shape)
-        out.append((len(shape), meta.dtype, meta.device))
+        device = meta.device
+        if device.type == "cuda":
+            _check_stream(meta, node)
+        out.append((len(shape), meta.dtype, device))
     w.key.append(tuple(out))
 
 
@@ -243,8 +298,9 @@ def emit_metas(src, var: str, node) -> None:
     for k, meta in enumerate(metas):
         src.emit(f"mk = m[{k}]")
         src.emit("sh = mk.shape")
+        stream = f" and {emit_stream(src, meta)}" if meta.device.type == "cuda" else ""
         src.bail_unless(f"len(sh) == {len(meta.shape)} and mk.dtype is {src.const(meta.dtype)} "
-                        f"and mk.device == {src.const(meta.device)}")
+                        f"and mk.device == {src.const(meta.device)}{stream}")
         src.emit("sizes += sh")
 
 
@@ -438,7 +494,10 @@ class AccumulateKind:
         # An accumulator's one input has the leaf's shape and dtype: its metadata is
         # the leaf's own, so the leaf's sizes serve as the metadata's.
         rec.meta_start = len(w.sizes)
-        w.key.append((w.tensor(var, None, "as the leaf", node), var.requires_grad, var.grad_dtype))
+        structure = w.tensor(var, None, "as the leaf", node)
+        if structure[1].type == "cuda":  # the stream it accumulates on (see stream_reason)
+            _check_stream(node._input_metadata[0], node)
+        w.key.append((structure, var.requires_grad, var.grad_dtype))
         rec.node_input = w.add_input(var, "variable", i)
         walk_hooks(w, rec, i, node, var)
         return ACCUMULATE
@@ -452,6 +511,9 @@ class AccumulateKind:
         src.bail_unless(f"len(sh) == {v.dim()} and v{i}.dtype is {src.const(v.dtype)} "
                         f"and v{i}.layout is {src.const(v.layout)} and {_device_check(src, f'v{i}', v.device)} "
                         f"and v{i}.is_contiguous() is {v.is_contiguous()}")
+        if v.device.type == "cuda":
+            src.emit(f"mk = n{i}._input_metadata[0]")
+            src.bail_unless(emit_stream(src, node._input_metadata[0]))
         src.emit("sizes += sh")
         if not v.is_contiguous():
             src.emit(f"sizes += v{i}.stride()")
