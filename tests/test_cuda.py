@@ -444,13 +444,16 @@ def test_peak_memory_within_two_percent_of_eager(assume_streams):
     assert gfx <= 1.02 * eager, (gfx / 2**20, eager / 2**20)
 
 
+def _on_a_side_stream():
+    """An MLP, its input and a side stream: (model, x, side)."""
+    torch.manual_seed(0)
+    return _mlp().cuda(), torch.randn(16, 64, device="cuda"), torch.cuda.Stream()
+
+
 @pytest.mark.cuda
 @needs_gpu
 def test_side_stream_forward_falls_back(warned_afresh, deterministic):
-    torch.manual_seed(0)
-    model = _mlp().cuda()
-    x = torch.randn(16, 64, device="cuda")
-    side = torch.cuda.Stream()
+    model, x, side = _on_a_side_stream()
 
     def forward():
         model.zero_grad(set_to_none=True)
@@ -475,10 +478,7 @@ def test_side_stream_forward_falls_back(warned_afresh, deterministic):
 @needs_gpu
 def test_forward_and_backward_on_one_side_stream_are_exact(assume_streams, deterministic):
     # The promise holds: the forward ran on the stream current at backward(), a side one.
-    torch.manual_seed(0)
-    model = _mlp().cuda()
-    x = torch.randn(16, 64, device="cuda")
-    side = torch.cuda.Stream()
+    model, x, side = _on_a_side_stream()
     side.wait_stream(torch.cuda.current_stream())
     grads = []
     for engine in (None, "eager", "eager"):
