@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import distributed, hooks
+from . import distributed, hidden, hooks
 from .kinds import (ACCUMULATE, ctx_key, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
                     function_materializes, kind_of, stream_ok, value_key)
 from .saved import ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks, readable
@@ -170,7 +170,7 @@ def generate(call: BackwardCall, tensors, structure):
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, ctx_key=ctx_key,
                      materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched,
                      ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
-                     partial=partial, stream_ok=stream_ok,
+                     partial=partial, stream_ok=stream_ok, hidden_key=hidden.key,
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)

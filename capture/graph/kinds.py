@@ -27,7 +27,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from ..errors import _Fallback
-from . import hooks
+from . import hidden, hooks
 from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, readable, take_saved, unreadable
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
@@ -59,6 +59,7 @@ class TypeInfo:
     saved_tensors: tuple[str, ...]  # the matching `_saved_x` attributes
     saved_values: tuple[str, ...]  # other `_saved_x`: ints, floats, sizes, ...
     size_values: frozenset  # those of saved_values that hold sizes, strides or numels
+    hidden: bool = False  # keeps C++ state its backward reads (graph.hidden), keyed too
 
 
 _type_info: dict[type, TypeInfo] = {}
@@ -80,7 +81,8 @@ def type_info(node_type: type) -> TypeInfo:
             kind = TRACED
         named = _NAMED_SIZES.get(node_type.__name__, frozenset())
         sized = frozenset(v for v in values if v in named or any(w in v for w in _SIZE_WORDS))
-        info = _type_info[node_type] = TypeInfo(kind, raw, tensors, values, sized)
+        info = _type_info[node_type] = TypeInfo(kind, raw, tensors, values, sized,
+                                                node_type.__name__ in hidden.KEYED)
     return info
 
 
@@ -178,6 +180,7 @@ class NodeRecord:
     meta_start: int | None = None  # where its input metadata's shapes start in the sizes
     values: dict = field(default_factory=dict)  # saved size attribute -> (start in sizes, layout)
     saved: tuple = ()  # input positions of its saved tensors
+    hidden: object = None  # its hidden state as keyed (graph.hidden), None: it runs as itself
 
 
 class Walk:
@@ -534,6 +537,9 @@ class TracedKind:
     def walk(self, w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> str:
         walk_metas(w, rec, node)
         walk_values(w, rec, node, info)
+        if info.hidden:
+            rec.hidden = hidden.key(node)
+            w.key.append(rec.hidden)
         kind = TRACED
         if info.raw_saved and not walk_saved(w, rec, i, node, info):
             kind = OPAQUE
@@ -546,6 +552,8 @@ class TracedKind:
     def check(self, src, i, node, info, call) -> None:
         emit_metas(src, f"n{i}", node)
         emit_values(src, f"n{i}", node, info)
+        if info.hidden:
+            src.bail_unless(f"hidden_key(n{i}) == {src.const(call.records[i].hidden)}")
         if type(call.owned[i]) is ForeignOwned:  # under the user's saved-tensor hooks: opaque
             src.bail_unless(f"foreign_hooks(n{i}, {src.const(info.raw_saved)})")
         elif info.raw_saved:

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .. import torch_releases
+from .. import native, torch_releases
 
 log = logging.getLogger("gradfx")
 
@@ -56,6 +56,7 @@ def _decide() -> str:
                 log.info("gradfx: self-check failed in %.1f ms: %s", seconds * 1e3, _verdict)
             else:
                 log.debug("gradfx: self-check of torch %s passed in %.1f ms", torch.__version__, seconds * 1e3)
+                native.start()  # the process's first capture: the compiled part builds meanwhile
     return _verdict
 
 

@@ -500,6 +500,8 @@ class _Tracer:
         name = type(node).__name__
         if name in HIDDEN_RULES:
             return self.recover(i) is None
+        if name in RUN_REAL and self.call.records[i].hidden is not None:
+            return False  # its hidden state is keyed (graph.hidden): the node runs on fakes
         return name in RUN_REAL or (self.call.create_graph and name in RUN_REAL_WITH_HISTORY)
 
     def run_traced(self, i, node, grads):
