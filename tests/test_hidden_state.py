@@ -205,3 +205,26 @@ def test_a_graph_captured_before_the_compiled_part_loaded_stays_exact(monkeypatc
     stats = gradfx.stats()
     assert stats["captures"] == 2 and stats["cache_hits"] == 1, stats
     assert gradfx.capture(weighted(_copy_into_slice(x, y))).opaque_nodes == []
+
+
+@pytest.mark.parametrize("dynamic, captures", [(True, 1), ("auto", 2)])
+def test_slice_assignments_over_batch_sizes(dynamic, captures):
+    """CopySlices' base and view geometry follow the batch: symbolic, as the sizes around it
+    (a copy_, a transposed view's fill, an in-place scale of the first half)."""
+    w = leaf(8)
+
+    def program(x, y):
+        b = x * w
+        b[:, 1:3] = x[:, :2] * 2
+        b[1:].t()[3:5] = 1.0
+        b[:x.shape[0] // 2].mul_(3)
+        return b * b * y.sum()
+    y = leaf(1)
+    for n in (3, 5, 7, 9, 5):
+        x = leaf(n, 8)
+        w.grad = None
+        expected = _run(program, x, y, "eager") + [w.grad.clone()]
+        w.grad = None
+        assert_same(expected, _run(program, x, y, "gradfx", dynamic=dynamic) + [w.grad.clone()])
+    stats = gradfx.stats()
+    assert stats["captures"] == captures and stats["fallbacks"] == 0, stats

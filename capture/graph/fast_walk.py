@@ -170,7 +170,7 @@ def generate(call: BackwardCall, tensors, structure):
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, ctx_key=ctx_key,
                      materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched,
                      ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
-                     partial=partial, stream_ok=stream_ok, hidden_key=hidden.key,
+                     partial=partial, stream_ok=stream_ok, hidden_state=hidden.state,
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)

@@ -28,22 +28,44 @@ KEYED: frozenset = frozenset({
 })
 
 
-def key(node):
-    """The hidden state of ``node`` (of a ``KEYED`` type) as a hashable key, or None where the
-    node must run as itself: the compiled part is not (yet) loaded, or see the module doc."""
+SIZES = "_hidden_sizes"  # a NodeRecord.values slot: the hidden sizes, symbolic where sizes are
+
+
+def state(node):
+    """The hidden state of ``node`` (of a ``KEYED`` type) as (sizes, key): sizes that follow
+    the data (nested tuples of ints, which go to the walk's sizes: guarded, or symbolic) and
+    the rest, hashable, for the key.  None where the node must run as itself: the compiled
+    part is not (yet) loaded, or see the module doc."""
     reader = native.module()
     if reader is None:
         return None
-    state = reader.hidden(node)
-    if state is None:
+    read = reader.hidden(node)
+    if read is None:
         return None
     if type(node).__name__ != "CopySlices":
-        return state
-    base, view, fn, replayed = state
+        return (), read  # rare ops: their hidden sizes stay in the key
+    base, view, fn, replayed = read
     wrapped = _wrapped_key(fn)
     if replayed or wrapped is None:
         return None
-    return base, view, wrapped
+    return (base[0], base[1], (base[2],), view[0], view[1], (view[2],)), wrapped
+
+
+def key(node):
+    """``state`` as one key (what a test compares)."""
+    return state(node)
+
+
+def wrapped(node):
+    """A CopySlices' in-place node (its formula runs on the view's gradient)."""
+    return native.module().hidden(node)[2]
+
+
+def copy_slices_geometry(sizes) -> tuple:
+    """(base sizes, base strides, base offset, view sizes, view strides, view offset) of
+    ``state``'s sizes (ints or symbols)."""
+    base_sizes, base_strides, (base_offset,), view_sizes, view_strides, (view_offset,) = sizes
+    return base_sizes, base_strides, base_offset, view_sizes, view_strides, view_offset
 
 
 def _wrapped_key(fn):

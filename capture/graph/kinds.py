@@ -345,6 +345,30 @@ def emit_values(src, var: str, node, info: TypeInfo) -> None:
             src.bail_unless(f"value_key(x) == {src.const(value_key(value))}")
 
 
+def walk_hidden(w: Walk, rec: NodeRecord, node) -> None:
+    """C++ state the node's formula reads (graph.hidden): its sizes to the sizes, the rest to
+    the key; None (the node runs as itself) to the key where it cannot be read."""
+    read = hidden.state(node)
+    if read is None:
+        w.key.append(None)
+        return
+    sizes, rec.hidden = read
+    start = len(w.sizes)
+    layout = flatten_sizes(sizes, w.sizes)
+    rec.values[hidden.SIZES] = (start, layout)
+    w.key.append((layout, rec.hidden))
+
+
+def emit_hidden(src, i: int, rec: NodeRecord) -> None:
+    if rec.hidden is None:
+        src.bail_unless(f"hidden_state(n{i}) is None")
+        return
+    src.emit(f"x = hidden_state(n{i})")
+    layout = rec.values[hidden.SIZES][1]
+    src.bail_unless(f"x is not None and x[1] == {src.const(rec.hidden)} and flatten(x[0], sizes) == "
+                    f"{src.const(layout)}")
+
+
 def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> bool:
     """Take the node's saved tensors over as inputs; False if the user's hooks own them."""
     try:
@@ -538,8 +562,7 @@ class TracedKind:
         walk_metas(w, rec, node)
         walk_values(w, rec, node, info)
         if info.hidden:
-            rec.hidden = hidden.key(node)
-            w.key.append(rec.hidden)
+            walk_hidden(w, rec, node)
         kind = TRACED
         if info.raw_saved and not walk_saved(w, rec, i, node, info):
             kind = OPAQUE
@@ -553,7 +576,7 @@ class TracedKind:
         emit_metas(src, f"n{i}", node)
         emit_values(src, f"n{i}", node, info)
         if info.hidden:
-            src.bail_unless(f"hidden_key(n{i}) == {src.const(call.records[i].hidden)}")
+            emit_hidden(src, i, call.records[i])
         if type(call.owned[i]) is ForeignOwned:  # under the user's saved-tensor hooks: opaque
             src.bail_unless(f"foreign_hooks(n{i}, {src.const(info.raw_saved)})")
         elif info.raw_saved:

@@ -20,6 +20,8 @@ SOURCES = ("hidden.cpp",)
 
 def build(directory: str, name: str) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
+    # The environment's own bin (pip's ninja, a compiler wrapper) even where it is not on PATH.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     started = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load

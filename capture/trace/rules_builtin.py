@@ -391,6 +391,32 @@ def cat_backward0(recovered, grad):
     return tuple(out)
 
 
+def copy_slices(geometry, fn, node, grad):
+    """CopySlices (an in-place op on a view of ``base``): the gradient laid out as the base,
+    the wrapped node's formula ``fn`` run on a contiguous copy of the view's part, its first
+    gradient written back into that part.  ``geometry``: graph.hidden.copy_slices_geometry
+    (symbolic where sizes are).  An output whose edge has no next node is None, as in eager."""
+    n = len(node.next_functions)
+    if grad is None:
+        return (None,) * n
+    base_sizes, base_strides, base_offset, view_sizes, view_strides, view_offset = geometry
+    result = grad.new_empty_strided(base_sizes, base_strides)
+    result.copy_(grad)
+    grad_slice = result.as_strided(view_sizes, view_strides, view_offset - base_offset)
+    res = fn(grad_slice.clone(memory_format=torch.contiguous_format))
+    res = res if type(res) is tuple else (res,)
+    out = [None] * n
+    for k, (g, (next_node, _)) in enumerate(zip(res, node.next_functions)):
+        if g is None or next_node is None:
+            continue
+        if k == 0:
+            grad_slice.copy_(g)
+            out[0] = result
+        else:
+            out[k] = g
+    return tuple(out)
+
+
 def _suggest_memory_format(t):
     """Tensor.suggest_memory_format (channels-last strides for 4-D / 5-D tensors)."""
     from torch._prims_common import suggest_memory_format  # lazily: a private module

@@ -35,6 +35,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from .rules import RULES
 from .size_relations import Product
+from ..graph import hidden
 from ..graph.kinds import ACCUMULATE, TRACED
 from ..graph.walk import BackwardCall
 
@@ -134,6 +135,8 @@ def baked_positions(call: BackwardCall) -> set[int]:
     """Sizes that a traced node's own C++ formula would read as constants (no rule)."""
     out = set()
     for (i, attr), (start, layout) in call.value_slots():
+        if attr == hidden.SIZES:  # read by the tracer's own rule (CopySlices), symbolic
+            continue
         if call.kinds[i] is TRACED and type(call.nodes[i]).__name__ not in RULES:
             out.update(range(start, start + _count(layout)))
     return out

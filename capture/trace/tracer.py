@@ -37,7 +37,9 @@ from . import engine_loop, fast_ops, plain_layout, sym_memo
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
 from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, TAKES_NONE, apply_rule
+from .rules_builtin import copy_slices
 from .shapes import SymbolicSizes
+from ..graph import hidden as graph_hidden
 from ..graph.saved import substitute, substituted
 from ..graph.kinds import ACCUMULATE, type_info
 from ..graph.walk import BackwardCall
@@ -515,6 +517,10 @@ class _Tracer:
             hidden = HIDDEN_RULES.get(type(node).__name__)
             if hidden is not None:  # the node's own formula would bake in what no guard checks
                 out = hidden[1](self.recover(i), *grads)
+            elif self.symbolic is not None and type(node).__name__ == "CopySlices":  # its geometry symbolic
+                geometry = graph_hidden.copy_slices_geometry(
+                    self.symbolic.rebuild(*self.call.records[i].values[graph_hidden.SIZES]))
+                out = copy_slices(geometry, graph_hidden.wrapped(node), node, *grads)
             # Rules are written for tensors; with a None gradient the node itself runs (as eager).
             elif self.symbolic is not None and (all(g is not None for g in grads)
                                                 or type(node).__name__ in TAKES_NONE):
