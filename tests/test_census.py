@@ -23,8 +23,9 @@ Measured (torch 2.13.0 CPU, transformers 5.24; batch 2, length 12):
 | t5 (eager, encoder-decoder) | 471 | none |
 
 On CPU, dropout is ``input * bernoulli_mask / (1 - p)`` (MulBackward0), also inside
-SDPA's math path; ``NativeDropoutBackward0`` (opaque: "reads the train flag (the
-scale), hidden in C++") only appears where dropout is fused, on CUDA. A fake-CUDA GPT-2
+SDPA's math path; ``NativeDropoutBackward0`` only appears where dropout is fused, on
+CUDA (its hidden ``train`` flag is read by gradfx's compiled part and keyed:
+tests/test_hidden_state.py; without that part it runs opaque). A fake-CUDA GPT-2
 (``FakeTensorMode``, ``device="cuda"``) cannot be recorded on a CPU-only build: the
 first autograd node on a CUDA fake aborts the process (``InputMetadata`` asks for the
 device's stream: "PyTorch is not linked with support for cuda devices"). And
