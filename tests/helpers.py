@@ -21,6 +21,17 @@ class RetNone(torch.autograd.Function):
         return None
 
 
+def autograd_nodes(root) -> set:
+    """Every autograd node reachable from ``root`` (a node)."""
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(f for f, _ in node.next_functions)
+    return seen
+
+
 def grads_of(params):
     return [None if p.grad is None else p.grad.clone() for p in params]
 

@@ -50,7 +50,7 @@ import torch
 
 import gradfx
 from gradfx.capture.trace.rules import RUN_REAL
-from helpers import assert_same, grads_of
+from helpers import assert_same, autograd_nodes, grads_of
 
 VOCAB = 100
 P = 0.1          # every dropout probability of the configs
@@ -161,16 +161,6 @@ def kinds(labels):
     return {label.split()[0] for label in labels}
 
 
-def count_nodes(root):
-    seen, stack = set(), [root]
-    while stack:
-        node = stack.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            stack.extend(f for f, _ in node.next_functions)
-    return len(seen)
-
-
 @pytest.fixture(autouse=True)
 def fresh():
     gradfx.reset()
@@ -202,7 +192,7 @@ def test_census(name):
         torch.manual_seed(10 + step)
         loss = loss_of(gfx, step)
         if step == 0:
-            assert count_nodes(loss.grad_fn) > 100
+            assert len(autograd_nodes(loss.grad_fn)) > 100
             assert kinds(gradfx.capture(loss).opaque_nodes) == set(expected)
         with gradfx.compiled_autograd(backend="eager", strict=True) as session:
             loss.backward()

@@ -51,11 +51,6 @@ def state(node):
     return (base[0], base[1], (base[2],), view[0], view[1], (view[2],)), wrapped
 
 
-def key(node):
-    """``state`` as one key (what a test compares)."""
-    return state(node)
-
-
 def wrapped(node):
     """A CopySlices' in-place node (its formula runs on the view's gradient)."""
     return native.module().hidden(node)[2]
