@@ -28,7 +28,9 @@ KEYED: frozenset = frozenset({
 })
 
 
-SIZES = "_hidden_sizes"  # a NodeRecord.values slot: the hidden sizes, symbolic where sizes are
+# A NodeRecord.values slot: the hidden sizes, symbolic where sizes are (named as a saved
+# value, so that explanations of a size say "saved hidden_geometry (item k)").
+SIZES = "_saved_hidden_geometry"
 
 
 def state(node):
