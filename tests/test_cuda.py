@@ -95,6 +95,17 @@ class _NoStreamRead:
         raise AssertionError("the stream of CPU metadata was read")
 
 
+def _backward(loss, engine, *args):
+    """``loss.backward(*args)`` on the eager engine (``engine`` None), else in a strict gradfx
+    block of that backend that must not fall back."""
+    if engine is None:
+        loss.backward(*args)
+        return
+    with gradfx.compiled_autograd(engine, strict=True) as session:
+        loss.backward(*args)
+    assert session.stats["fallbacks"] == 0
+
+
 def _walk_metas(node):
     w = kinds.Walk([], {})
     kinds.walk_metas(w, kinds.NodeRecord(kinds.TRACED, (), 0, True), node)
@@ -334,12 +345,7 @@ def test_autocast_with_grad_scaler_bitwise(dtype, init_scale, assume_streams, de
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=dtype):
                 loss = model(x).float().pow(2).mean()
-            if engine is None:
-                scaler.scale(loss).backward()
-            else:
-                with gradfx.compiled_autograd(engine, strict=True) as session:
-                    scaler.scale(loss).backward()
-                assert session.stats["fallbacks"] == 0
+            _backward(scaler.scale(loss), engine)
             scaler.unscale_(opt)
             found = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
             grads = grads_of(model.parameters())
@@ -383,12 +389,7 @@ def test_non_blocking_copies_bitwise(assume_streams, deterministic):
             host = out.to("cpu", non_blocking=True)
             torch.cuda.synchronize()
             loss = host.pow(2).sum()
-            if engine is None:
-                loss.backward()
-            else:
-                with gradfx.compiled_autograd(engine, strict=True) as session:
-                    loss.backward()
-                assert session.stats["fallbacks"] == 0
+            _backward(loss, engine)
             torch.cuda.synchronize()
         results.append(grads_of([w, *model.parameters()]))
     assert results[0][0].device.type == "cpu"
@@ -485,12 +486,7 @@ def test_forward_and_backward_on_one_side_stream_are_exact(assume_streams, deter
         model.zero_grad(set_to_none=True)
         with torch.cuda.stream(side):
             loss = model(x).pow(2).mean()
-            if engine is None:
-                loss.backward()
-            else:
-                with gradfx.compiled_autograd(engine, strict=True) as session:
-                    loss.backward()
-                assert session.stats["fallbacks"] == 0
+            _backward(loss, engine)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         grads.append(grads_of(model.parameters()))
