@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 import gradfx
 from gradfx.backends.traceable import accumulate
 from gradfx.capture.run import hook_ops
+from gradfx.capture.trace import aot_regions
 from helpers import RetNone
 
 
@@ -316,10 +317,15 @@ def test_a_custom_backward_returning_none_runs_as_in_eager():
     assert session.stats["captures"] == 2 and session.stats["cache_hits"] == 1
 
 
-def test_a_leaf_marked_dynamic_never_breaks_the_backward():
-    # The user marks a leaf's size dynamic for the compiled forward; dynamo, compiling
-    # gradfx's graph (static in that size at first), refuses with a ConstraintViolationError
-    # while building its guards.  That is a failed compile: the eager backend runs the graph.
+@pytest.mark.parametrize("replayed", [False, True])
+def test_a_leaf_marked_dynamic_never_breaks_the_backward(replayed, monkeypatch):
+    # The user marks a leaf's size dynamic for the compiled forward.  Where the region's
+    # backward stays an opaque call, dynamo, compiling gradfx's graph (static in that size
+    # at first), refuses with a ConstraintViolationError while building its guards.  That
+    # is a failed compile: the eager backend runs the graph.  Where gradfx replays the
+    # region's backward graph (trace.aot_regions), dynamo compiles it.
+    if not replayed:
+        monkeypatch.setattr(aot_regions, "backward_graph", lambda cls: None)
     @torch.compile(backend="aot_eager")
     def f(x):
         return x.sin().sin()
@@ -342,8 +348,11 @@ def test_a_leaf_marked_dynamic_never_breaks_the_backward():
         x = leaf(n)
         f(x).sum().backward()
         assert torch.equal(g, x.grad)
-    assert any("ConstraintViolationError" in str(w.message) for w in caught
-               if issubclass(w.category, gradfx.FallbackWarning))
+    failed = [w for w in caught if issubclass(w.category, gradfx.FallbackWarning)]
+    if replayed:
+        assert failed == [] and gradfx.stats()["uncompiled"] == 0
+    else:
+        assert any("ConstraintViolationError" in str(w.message) for w in failed)
 
 
 @pytest.mark.parametrize("hooked", [False, True])

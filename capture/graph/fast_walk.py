@@ -22,8 +22,8 @@ from __future__ import annotations
 from functools import partial
 
 from . import distributed, hidden, hooks
-from .kinds import (ACCUMULATE, ctx_key, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
-                    function_materializes, kind_of, stream_ok, value_key)
+from .kinds import (ACCUMULATE, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
+                    function_materializes, kind_of, stream_ok, traced_ctx_key, value_key)
 from .saved import ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks, readable
 from .walk import BackwardCall, root_edge
 
@@ -167,7 +167,7 @@ def generate(call: BackwardCall, tensors, structure):
     src.emit("return nodes, owned, inputs, sizes, s")
 
     code = "def fast_walk(tensors, grads, inputs, accumulate):\n" + "\n".join(src.lines) + "\n"
-    namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, ctx_key=ctx_key,
+    namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, traced_ctx_key=traced_ctx_key,
                      materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched,
                      ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
                      partial=partial, stream_ok=stream_ok, hidden_state=hidden.state,

@@ -87,8 +87,22 @@ def type_info(node_type: type) -> TypeInfo:
 
 
 def is_traceable(function_node_type: type) -> bool:
-    """Is this custom Function's backward traced into the graph (see gradfx.traceable)?"""
-    return bool(getattr(function_node_type._forward_cls, "_gradfx_traceable", False))
+    """Is this custom Function's backward traced into the graph (see gradfx.traceable; a
+    torch.compile'd region's backward: trace.aot_regions)?"""
+    cls = function_node_type._forward_cls
+    if getattr(cls, "_gradfx_traceable", False):
+        return True
+    from ..trace import aot_regions  # lazily: the trace package imports this module
+    return aot_regions.is_region(cls)
+
+
+def traced_ctx_key(ctx):
+    """What a traced backward bakes in of its ctx, for the key; None where the node must
+    run opaque after all (a compiled region holding opaque objects)."""
+    if getattr(ctx._forward_cls, "_gradfx_traceable", False):
+        return ctx_key(ctx)
+    from ..trace import aot_regions
+    return aot_regions.ctx_key(ctx)
 
 
 def function_materializes(ctx) -> bool:
@@ -601,10 +615,12 @@ class FunctionKind:
 
     def walk(self, w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> str:
         traceable = is_traceable(type(node))
+        baked = traced_ctx_key(node) if traceable else None  # ctx attributes the traced formula bakes in
+        traceable = baked is not None
         w.key.append((node.needs_input_grad, function_materializes(node), traceable))
         walk_metas(w, rec, node)
-        if traceable:  # ctx attributes are baked into the traced formula
-            w.key.append(ctx_key(node))
+        if traceable:
+            w.key.append(baked)
         if getattr(node._forward_cls, "clear_saved_tensors_on_access", False):
             # Reading ctx.saved_tensors would free them (and leave the raw variables
             # dangling): the user's backward is the only one to read them.
@@ -623,7 +639,7 @@ class FunctionKind:
                         f"and materializes(n{i}) is {function_materializes(node)}")
         emit_metas(src, f"n{i}", node)
         if is_traceable(type(node)):
-            src.bail_unless(f"ctx_key(n{i}) == {src.const(ctx_key(node))}")
+            src.bail_unless(f"traced_ctx_key(n{i}) == {src.const(traced_ctx_key(node))}")
         owner = call.owned[i]
         if type(owner) is Untouched:  # left to the node, as leave_saved decided
             src.emit(f"r{i} = n{i}._raw_saved_tensors")

@@ -11,6 +11,7 @@ order, so replaying the graph is bitwise eager.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from torch._prims_common import is_contiguous_or_false, make_contiguous_strides_
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..run import hook_ops, runtime_ops
-from . import engine_loop, fast_ops, plain_layout, sym_memo
+from . import aot_regions, engine_loop, fast_ops, plain_layout, sym_memo
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
 from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, TAKES_NONE, apply_rule
@@ -559,7 +560,10 @@ class _Tracer:
                     return None  # only the engine knows those gradients' shapes: runs opaque
                 grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1]) if g is None else g
                          for k, g in enumerate(grads)]
-            return runtime_ops.function_outputs(ctx.name(), ctx.needs_input_grad, ctx.apply(*grads),
+            region = aot_regions.is_region(ctx._forward_cls)
+            with aot_regions.replayed(ctx._forward_cls) if region else contextlib.nullcontext():
+                out = ctx.apply(*grads)
+            return runtime_ops.function_outputs(ctx.name(), ctx.needs_input_grad, out,
                                                 [e is not None for e in self.call.records[i].edges])
         except Exception as err:
             self.undo(before, i, err)

@@ -1,0 +1,113 @@
+"""torch.compile'd regions: the AOT backward graph traced into gradfx's graph.
+
+A region torch.compile compiled with AOTAutograd runs its backward as one custom
+Function node (``CompiledFunctionBackward``, a class per region) whose ``backward``
+prepares the tangents (its prologue), calls the region's compiled backward through
+``CompiledFunction._backward_impl`` and arranges the outputs (its epilogue).
+AOTAutograd keeps the backward graph it compiles from in
+``_lazy_backward_info.bw_module`` (torch 2.11-2.14).
+
+While gradfx traces such a node, the node's own ``backward`` runs on fakes, with
+``_backward_impl`` replaced, on the tracing thread only, by that graph replayed op by
+op: prologue, backward graph and epilogue are recorded as aten ops, so a compiler sees
+the region together with the hooks and accumulations around it.  With the eager
+backend the graph computes what the region's backward graph computes run eagerly
+(bitwise equal to eager autograd where the region was compiled with ``aot_eager``;
+an inductor-compiled region's own kernels round differently).
+
+A region whose backward uses what a replay cannot give (tensor subclasses, RNG
+functionalization, effect tokens, opaque objects, a backward compiled ahead without
+its graph kept) stays an opaque call of its real backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+_state = threading.local()  # .replaying: the Function classes replayed on this thread
+_deserialized: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Function class -> its graph
+
+
+def backward_graph(function_cls):
+    """The AOT backward graph of a compiled region's Function class, or None where gradfx
+    does not replay it (not a compiled region, or one of the cases in the module doc)."""
+    info = getattr(function_cls, "_lazy_backward_info", None)
+    module = getattr(info, "bw_module", None)
+    if module is None and callable(getattr(info, "bw_module_fn", None)):
+        # A region loaded from inductor's FX graph cache keeps its graph serialized.
+        module = _deserialized.get(function_cls)
+        if module is None:
+            module = _deserialized[function_cls] = info.bw_module_fn()
+    if not isinstance(module, fx.GraphModule) or not callable(getattr(function_cls, "_backward_impl", None)):
+        return None
+    metadata = getattr(function_cls, "metadata", None)
+    if (getattr(function_cls, "maybe_subclass_metadata", None) is not None
+            or getattr(metadata, "is_rng_op_functionalized", True) or getattr(metadata, "tokens", True)):
+        return None
+    return module
+
+
+def is_region(function_cls) -> bool:
+    return backward_graph(function_cls) is not None
+
+
+def ctx_key(ctx) -> tuple | None:
+    """What a region's traced backward bakes in of its ctx: the sizes it saved as ints
+    (``symints``); None where it holds opaque objects (the node stays opaque)."""
+    if ctx.__dict__.get("opaque_objects"):
+        return None
+    return ("aot region", tuple(ctx.__dict__.get("symints", ())))
+
+
+class _Replay(fx.Interpreter):
+    """The backward graph run op by op.  Its views become reshapes, as torch's own
+    compiled autograd does: the forward it pairs with may have been compiled with views
+    turned into reshapes, so a tangent need not be viewable (same values either way)."""
+
+    def call_function(self, target, args, kwargs):
+        if target is aten.view.default:
+            target = aten.reshape.default
+        return super().call_function(target, args, kwargs)
+
+
+def _replaying(original, function_cls):
+    def backward_impl(ctx, all_args):
+        if function_cls not in getattr(_state, "replaying", ()):
+            return original(ctx, all_args)  # another thread's real backward
+        return _Replay(backward_graph(function_cls)).run(*all_args)
+    backward_impl.gradfx_replay = True
+    return staticmethod(backward_impl)
+
+
+_lock = threading.Lock()
+_installed: dict = {}  # Function class -> [users, original staticmethod]
+
+
+@contextlib.contextmanager
+def replayed(function_cls):
+    """Inside: on this thread, the region's backward replays its graph (see module doc)."""
+    with _lock:
+        entry = _installed.get(function_cls)
+        if entry is None:
+            original = function_cls.__dict__["_backward_impl"]
+            entry = _installed[function_cls] = [0, original]
+            function_cls._backward_impl = _replaying(original.__func__, function_cls)
+        entry[0] += 1
+    mine = getattr(_state, "replaying", frozenset())
+    _state.replaying = mine | {function_cls}
+    try:
+        yield
+    finally:
+        _state.replaying = mine
+        with _lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                function_cls._backward_impl = entry[1]
+                del _installed[function_cls]
