@@ -109,9 +109,11 @@ def test_a_region_from_inductors_cache_keeps_its_graph_serialized(monkeypatch):
     assert calls == [1]
 
 
-def test_saved_sizes_of_a_dynamic_region_are_keyed():
+@pytest.mark.parametrize("dynamic, captures", [(False, 3), ("auto", 2), (True, 1)])
+def test_saved_sizes_of_a_dynamic_region_are_sizes(dynamic, captures):
     """A region compiled for dynamic batch sizes saves the batch as an int (ctx.symints):
-    another batch is another graph, never the old one's sizes."""
+    one of the walk's sizes, guarded when static (another batch recaptures, never runs the
+    old one's sizes), symbolic under dynamic sizes."""
     torch.manual_seed(0)
     lin = nn.Linear(6, 6)
 
@@ -119,18 +121,18 @@ def test_saved_sizes_of_a_dynamic_region_are_keyed():
     def region(x):
         return torch.nn.functional.gelu(lin(x)).sum(0) / x.shape[0]
 
-    for n in (3, 5, 3):
+    for n in (3, 5, 7, 3):
         x = torch.randn(n, 6)
         lin.zero_grad(set_to_none=True)
         region(x).sum().backward()
         expected = grads_of(lin.parameters())
         lin.zero_grad(set_to_none=True)
-        with gradfx.compiled_autograd(backend="eager") as session:
+        with gradfx.compiled_autograd(backend="eager", dynamic=dynamic) as session:
             region(x).sum().backward()
         assert session.stats["fallbacks"] == 0
         assert_same(expected, grads_of(lin.parameters()))
     stats = gradfx.stats()
-    assert stats["captures"] == 2 and stats["cache_hits"] == 1, stats
+    assert stats["captures"] == captures and stats["cache_hits"] == 4 - captures, stats
 
 
 def test_another_thread_runs_the_real_backward_while_one_traces(monkeypatch):

@@ -111,6 +111,17 @@ def function_materializes(ctx) -> bool:
     return ctx.__dict__.get("_gradfx_materialize_grads", True)
 
 
+def region_ints(ctx):
+    """The ints a traced compiled region's ctx saved (sizes), or None for other Functions."""
+    if getattr(ctx._forward_cls, "_gradfx_traceable", False):
+        return None
+    from ..trace import aot_regions
+    return aot_regions.saved_ints(ctx)
+
+
+REGION_INTS = "_saved_symints"  # the NodeRecord.values slot of a compiled region's saved ints
+
+
 def ctx_key(ctx) -> tuple:
     items = []
     for name, value in sorted(ctx.__dict__.items()):
@@ -621,6 +632,10 @@ class FunctionKind:
         walk_metas(w, rec, node)
         if traceable:
             w.key.append(baked)
+            ints = region_ints(node)
+            if ints is not None:  # a compiled region's saved sizes
+                rec.values[REGION_INTS] = (len(w.sizes), (None,) * len(ints))
+                w.sizes.extend(ints)
         if getattr(node._forward_cls, "clear_saved_tensors_on_access", False):
             # Reading ctx.saved_tensors would free them (and leave the raw variables
             # dangling): the user's backward is the only one to read them.
@@ -640,6 +655,8 @@ class FunctionKind:
         emit_metas(src, f"n{i}", node)
         if is_traceable(type(node)):
             src.bail_unless(f"traced_ctx_key(n{i}) == {src.const(traced_ctx_key(node))}")
+            if REGION_INTS in call.records[i].values:
+                src.emit(f"sizes += n{i}.symints")  # ints, as many as the key says
         owner = call.owned[i]
         if type(owner) is Untouched:  # left to the node, as leave_saved decided
             src.emit(f"r{i} = n{i}._raw_saved_tensors")

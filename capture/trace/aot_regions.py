@@ -59,11 +59,28 @@ def is_region(function_cls) -> bool:
 
 
 def ctx_key(ctx) -> tuple | None:
-    """What a region's traced backward bakes in of its ctx: the sizes it saved as ints
-    (``symints``); None where it holds opaque objects (the node stays opaque)."""
-    if ctx.__dict__.get("opaque_objects"):
+    """A region's ctx for the key: how many ints it saved (``symints``: sizes, which go to
+    the walk's sizes, guarded or symbolic); None where it holds opaque objects or saved
+    something else (the node stays opaque)."""
+    ints = ctx.__dict__.get("symints", ())
+    if ctx.__dict__.get("opaque_objects") or any(type(v) is not int for v in ints):
         return None
-    return ("aot region", tuple(ctx.__dict__.get("symints", ())))
+    return ("aot region", len(ints))
+
+
+def saved_ints(ctx) -> list:
+    return list(ctx.__dict__.get("symints", ()))
+
+
+@contextlib.contextmanager
+def with_saved_ints(ctx, values):
+    """Inside: the region's backward reads ``values`` (symbols while tracing) as its ints."""
+    kept = ctx.__dict__.get("symints")
+    ctx.symints = list(values)
+    try:
+        yield
+    finally:
+        ctx.symints = kept
 
 
 class _Replay(fx.Interpreter):

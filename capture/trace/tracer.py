@@ -42,7 +42,7 @@ from .rules_builtin import copy_slices
 from .shapes import SymbolicSizes
 from ..graph import hidden as graph_hidden
 from ..graph.saved import substitute, substituted
-from ..graph.kinds import ACCUMULATE, type_info
+from ..graph.kinds import ACCUMULATE, REGION_INTS, type_info
 from ..graph.walk import BackwardCall
 from ..errors import _Fallback
 
@@ -560,14 +560,24 @@ class _Tracer:
                     return None  # only the engine knows those gradients' shapes: runs opaque
                 grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1]) if g is None else g
                          for k, g in enumerate(grads)]
-            region = aot_regions.is_region(ctx._forward_cls)
-            with aot_regions.replayed(ctx._forward_cls) if region else contextlib.nullcontext():
-                out = ctx.apply(*grads)
+            out = self._apply_function(i, ctx, grads)
             return runtime_ops.function_outputs(ctx.name(), ctx.needs_input_grad, out,
                                                 [e is not None for e in self.call.records[i].edges])
         except Exception as err:
             self.undo(before, i, err)
             return None
+
+    def _apply_function(self, i, ctx, grads):
+        """The Function's backward on fakes; a compiled region's replays its backward graph,
+        reading its saved ints as the walk's sizes (symbolic where they are)."""
+        if not aot_regions.is_region(ctx._forward_cls):
+            return ctx.apply(*grads)
+        slot = self.call.records[i].values.get(REGION_INTS)
+        ints = contextlib.nullcontext()
+        if slot is not None and self.symbolic is not None:
+            ints = aot_regions.with_saved_ints(ctx, self.symbolic.rebuild(*slot))
+        with aot_regions.replayed(ctx._forward_cls), ints:
+            return ctx.apply(*grads)
 
     def stand_ins(self, i, grads) -> list:
         """Slots of custom Function node ``i`` without a gradient whose metadata may be a
