@@ -38,7 +38,7 @@ from gradfx.capture.graph import fast_walk
 from gradfx.capture.run import session
 
 _COMPARISON = re.compile(r"^if not \((.*)\): return None$")
-_EFFECTS = ("collect(", "materializes(", "ctx_key(", "flatten(")  # calls a comparison wraps
+_EFFECTS = ("collect(", "materializes(", "ctx_key(", "flatten(", "native_metas(")  # calls a comparison wraps
 
 
 def _walker_of(model, x, loss_fn):
@@ -121,7 +121,7 @@ def _kind(body: str) -> str:
         ("hooks", r"collect\(|\bactive\b"),
         ("_raw_saved_* reads", r"^r\d+_\d+ = |unpack_hook|any_hooked"),
         ("saved tensor unpacks", r"^[xg]\d+_\d+(_\d+)? = "),
-        ("_input_metadata", r"^(m|mk) = |^sh = mk|mk\.dtype|len\(m\)"),
+        ("_input_metadata", r"^(m|mk) = |^sh = mk|mk\.dtype|len\(m\)|native_metas\("),
         ("next_functions", r"\bnf\b"),
         ("saved values", r"^x = n|type\(x\)|flatten\(|value_key\(|^if not \(x is None"),
         ("saved tensor checks", r"\bx\d+_\d+"),

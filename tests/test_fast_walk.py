@@ -1,4 +1,9 @@
-"""The generated cache-hit walker returns exactly what the generic walk returns."""
+"""The generated cache-hit walker returns exactly what the generic walk returns.
+
+Every test runs twice: with the walker's reads as gradfx's compiled part does some of
+them (capture/native/walk.cpp), and with Python alone (the reference, as where the
+compiled part is not loaded).
+"""
 
 import pytest
 import torch
@@ -7,15 +12,32 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import gradfx
+from gradfx.capture import native
 from gradfx.capture.graph import fast_walk
 from gradfx.capture.graph.walk import walk_backward
 from helpers import run_both, snap
 
 
-@pytest.fixture(autouse=True)
-def fresh():
+@pytest.fixture(autouse=True, params=["compiled reads", "python reads"])
+def fresh(request, monkeypatch):
+    if request.param == "python reads":
+        monkeypatch.setattr(native._state, "module", None)
+        monkeypatch.setattr(native._state, "reason", "switched off by the test")
+    elif native.module() is None:
+        pytest.skip(f"no compiled part: {native.reason()}")
     gradfx.reset()
     yield
+    gradfx.reset()
+
+
+def test_the_walker_reads_as_its_variant_says(request):
+    """The compiled variant reads input metadata in C++; the Python one does not."""
+    torch.manual_seed(0)
+    model = MODELS["mlp"][0]()
+    with gradfx.compiled_autograd():
+        model(torch.randn(4, 8)).sum().backward()
+    compiled = "native_metas(" in _walker().source
+    assert compiled == (request.node.callspec.params["fresh"] == "compiled reads")
 
 
 MODELS = {

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from .. import native
 from . import distributed, hidden, hooks
 from .kinds import (ACCUMULATE, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
                     function_materializes, kind_of, stream_ok, traced_ctx_key, value_key)
@@ -170,7 +171,7 @@ def generate(call: BackwardCall, tensors, structure):
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, traced_ctx_key=traced_ctx_key,
                      materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched,
                      ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
-                     partial=partial, stream_ok=stream_ok, hidden_state=hidden.state,
+                     partial=partial, stream_ok=stream_ok, hidden_state=hidden.state, native_metas=_native_metas(),
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)
@@ -180,6 +181,12 @@ def generate(call: BackwardCall, tensors, structure):
     walker.template = _template(call)
     walker.structure = structure
     return walker
+
+
+def _native_metas():
+    """The compiled part's metadata check (kinds.emit_metas emits it where it is loaded)."""
+    reader = native.module()
+    return None if reader is None else reader.metas
 
 
 def _any_hooked(saved_variables) -> bool:

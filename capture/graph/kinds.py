@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from .. import native
 from ..errors import _Fallback
 from . import hidden, hooks
 from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, readable, take_saved, unreadable
@@ -321,6 +322,12 @@ def walk_metas(w: Walk, rec: NodeRecord, node) -> None:
 
 def emit_metas(src, var: str, node) -> None:
     metas = node._input_metadata
+    reader = native.module()
+    if reader is not None and all(meta.device.type != "cuda" for meta in metas):
+        # The same checks in one C++ call (capture/native/walk.cpp); CUDA's stream check stays here.
+        expected = tuple((len(meta.shape), meta.dtype, meta.device) for meta in metas)
+        src.bail_unless(f"native_metas({var}, {src.const(expected)}, sizes)")
+        return
     src.emit(f"m = {var}._input_metadata")
     src.bail_unless(f"len(m) == {len(metas)}")
     for k, meta in enumerate(metas):

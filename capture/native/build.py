@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 
-SOURCES = ("hidden.cpp",)
+SOURCES = ("module.cpp", "hidden.cpp", "walk.cpp")
 
 
 def build(directory: str, name: str) -> None:

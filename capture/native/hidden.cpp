@@ -90,7 +90,6 @@ py::object hidden(py::handle object) {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "gradfx's compiled part: hidden state of builtin autograd nodes";
+void add_hidden(py::module_& m) {
   m.def("hidden", &hidden, "The C++ members of a builtin node the structure key holds, or None");
 }

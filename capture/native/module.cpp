@@ -1,0 +1,14 @@
+// gradfx's compiled part, one extension: hidden.cpp (hidden state of builtin nodes) and
+// walk.cpp (reads of the cache-hit walker).
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+void add_hidden(py::module_& m);
+void add_walk(py::module_& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "gradfx's compiled part (capture/native)";
+  add_hidden(m);
+  add_walk(m);
+}
