@@ -38,7 +38,7 @@ from gradfx.capture.graph import fast_walk
 from gradfx.capture.run import session
 
 _COMPARISON = re.compile(r"^if not \((.*)\): return None$")
-_EFFECTS = ("collect(", "materializes(", "ctx_key(", "flatten(", "native_metas(")  # calls a comparison wraps
+_EFFECTS = ("collect(", "materializes(", "ctx_key(", "flatten(", "native_metas(", "native_tensor(")  # calls a comparison wraps
 
 
 def _walker_of(model, x, loss_fn):

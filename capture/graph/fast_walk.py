@@ -171,7 +171,7 @@ def generate(call: BackwardCall, tensors, structure):
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, traced_ctx_key=traced_ctx_key,
                      materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched,
                      ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
-                     partial=partial, stream_ok=stream_ok, hidden_state=hidden.state, native_metas=_native_metas(),
+                     partial=partial, stream_ok=stream_ok, hidden_state=hidden.state, native_metas=_native('metas'), native_tensor=_native('tensor'),
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)
@@ -183,10 +183,10 @@ def generate(call: BackwardCall, tensors, structure):
     return walker
 
 
-def _native_metas():
-    """The compiled part's metadata check (kinds.emit_metas emits it where it is loaded)."""
+def _native(name: str):
+    """A check of the compiled part (kinds emits it where the part is loaded)."""
     reader = native.module()
-    return None if reader is None else reader.metas
+    return None if reader is None else getattr(reader, name)
 
 
 def _any_hooked(saved_variables) -> bool:

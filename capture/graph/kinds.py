@@ -492,6 +492,10 @@ def _device_check(src, var: str, device) -> str:
 def emit_tensor(src, var: str, call, pos: int, t) -> None:
     """Check a tensor's structure and append its sizes as ``Walk.tensor`` does."""
     start, ndim, stride_start = call.tensor_slots[pos]
+    if native.module() is not None:  # the same checks in one C++ call (capture/native/walk.cpp)
+        expected = (type(t), ndim, t.dtype, t.layout, t.device, stride_start < 0)
+        src.bail_unless(f"native_tensor({var}, {src.const(expected)}, sizes)")
+        return
     contiguous = "" if stride_start < 0 else "not "
     src.bail_unless(f"type({var}) is {src.const(type(t))}")  # a subclass: the generic walk falls back
     src.emit(f"sh = {var}.shape")
@@ -566,6 +570,11 @@ class AccumulateKind:
         src.emit(f"v{i} = n{i}.variable")
         src.bail_unless(f"type(v{i}) is {src.const(type(v))} and v{i}.requires_grad is {v.requires_grad} "
                         f"and v{i}.grad_dtype is {src.const(v.grad_dtype)}")  # a subclass: see emit_tensor
+        if native.module() is not None and v.device.type != "cuda":  # one C++ call (native/walk.cpp)
+            expected = (type(v), v.dim(), v.dtype, v.layout, v.device, v.is_contiguous())
+            src.bail_unless(f"native_tensor(v{i}, {src.const(expected)}, sizes)")
+            src.hook_lists[i] = emit_hooks(src, i, call.records[i], f"v{i}")
+            return
         src.emit(f"sh = v{i}.shape")
         src.bail_unless(f"len(sh) == {v.dim()} and v{i}.dtype is {src.const(v.dtype)} "
                         f"and v{i}.layout is {src.const(v.layout)} and {_device_check(src, f'v{i}', v.device)} "

@@ -9,6 +9,8 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/Layout.h>
 
 #include <memory>
 
@@ -73,8 +75,44 @@ bool metas(py::handle object, py::tuple expected, py::list sizes) {
   return true;
 }
 
+// Python's checks of emit_tensor: exactly that type, rank, dtype, layout, device and
+// contiguity; then its sizes (and strides where it is not contiguous) appended.
+// ``expected``: (type, ndim, dtype, layout, device, contiguous).
+bool tensor(py::handle object, py::tuple expected, py::list sizes) {
+  PyObject* obj = object.ptr();
+  if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != expected[0].ptr() || !THPVariable_Check(obj)) {
+    return false;
+  }
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  PyObject* dtype = expected[2].ptr();
+  PyObject* layout = expected[3].ptr();
+  PyObject* device = expected[4].ptr();
+  if (!THPDtype_Check(dtype) || !THPLayout_Check(layout) || !THPDevice_Check(device) ||
+      t.layout() != at::kStrided || t.is_nested() ||
+      t.dim() != expected[1].cast<int64_t>() ||
+      reinterpret_cast<THPDtype*>(dtype)->scalar_type != t.scalar_type() ||
+      reinterpret_cast<THPLayout*>(layout)->layout != t.layout() ||
+      reinterpret_cast<THPDevice*>(device)->device != t.device()) {
+    return false;
+  }
+  bool contiguous = t.is_contiguous();
+  if (contiguous != expected[5].cast<bool>()) {
+    return false;
+  }
+  for (auto size : t.sizes()) {
+    sizes.append(py::int_(size));
+  }
+  if (!contiguous) {
+    for (auto stride : t.strides()) {
+      sizes.append(py::int_(stride));
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 void add_walk(py::module_& m) {
   m.def("metas", &metas, "emit_metas' checks of a node's input metadata; its shapes appended to sizes");
+  m.def("tensor", &tensor, "emit_tensor's checks of a tensor; its sizes (strides) appended to sizes");
 }
