@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 import gradfx
+from gradfx.capture import native
 from gradfx.capture.errors import _Fallback
 from gradfx.capture.graph import fast_walk, kinds
 from gradfx.capture.run import session as session_module
@@ -113,9 +114,16 @@ def _walk_metas(node):
 
 
 def _generated_metas(node):
-    """The generated walker's metadata checks for ``node``, as a function of a live node."""
+    """The generated walker's metadata checks for ``node``, as a function of a live node:
+    Python's lines (a stub node has no C++ metadata for the compiled part to read; the
+    compiled part leaves CUDA metadata to those lines too)."""
     src = fast_walk._Source()
-    kinds.emit_metas(src, "n0", node)
+    kept = native._state.module, native._state.reason
+    native._state.module, native._state.reason = None, "Python's lines, for a stub node"
+    try:
+        kinds.emit_metas(src, "n0", node)
+    finally:
+        native._state.module, native._state.reason = kept
     code = "def check(n0):\n    sizes = []\n" + "\n".join(src.lines) + "\n    return sizes\n"
     namespace = dict(src.consts, stream_ok=kinds.stream_ok)
     exec(compile(code, "<test walker>", "exec"), namespace)
