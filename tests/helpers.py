@@ -21,6 +21,18 @@ class RetNone(torch.autograd.Function):
         return None
 
 
+class Double(torch.autograd.Function):
+    """Doubles its input; an opaque custom Function (its backward is not traced)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
 def autograd_nodes(root) -> set:
     """Every autograd node reachable from ``root`` (a node)."""
     seen, stack = set(), [root]

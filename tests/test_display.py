@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import gradfx
 from gradfx.capture.view import display, layout, picture
+from helpers import Double
 
 SVG = "{http://www.w3.org/2000/svg}"
 ENGINES = ["layered"] + (["dot"] if layout.dot_available() else [])
@@ -269,15 +270,6 @@ def test_runtime_inputs_are_hidden_but_in_the_code():
 
 
 def test_custom_function_shows_as_opaque():
-    class Double(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * 2
-
     x = torch.randn(3, requires_grad=True)
     g = gradfx.capture(Double.apply(x).sum())
     row = next(r for r in g.table() if r["target"] == "call_backward")

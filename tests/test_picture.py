@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import gradfx
 from gradfx.capture.view import display, picture
+from helpers import Double
 from test_display import ENGINES, SVG, _rect, check_edges, mlp, read_svg, transformer
 
 FONT_SIZE = 11  # the pictures' font-size
@@ -25,16 +26,6 @@ def encoder_layer():
     torch.manual_seed(0)
     model = nn.TransformerEncoderLayer(32, 4, batch_first=True)
     return model, model(torch.randn(2, 5, 32)).sum()
-
-
-class Double(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
 
 
 def opaque_linear():
