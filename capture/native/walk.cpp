@@ -40,36 +40,46 @@ Node* node_of(PyObject* object) {
   return nullptr;
 }
 
-// Python's checks of emit_metas: as many inputs, each of that rank, dtype and device;
-// then every shape appended to ``sizes``.  ``expected``: per input (ndim, dtype, device).
-bool metas(py::handle object, py::tuple expected, py::list sizes) {
-  Node* node = node_of(object.ptr());
-  if (node == nullptr || node->num_inputs() != expected.size()) {
+bool append_int(PyObject* list, int64_t value) {
+  PyObject* number = PyLong_FromLongLong(value);
+  if (number == nullptr) {
     return false;
   }
-  for (size_t k = 0; k < expected.size(); ++k) {
+  int failed = PyList_Append(list, number);
+  Py_DECREF(number);
+  return failed == 0;
+}
+
+// Python's checks of emit_metas: as many inputs, each of that rank, dtype and device;
+// then every shape appended to ``sizes``.  ``expected``: per input (ndim, dtype, device).
+bool metas(PyObject* object, PyObject* expected, PyObject* sizes) {
+  Node* node = node_of(object);
+  if (node == nullptr || !PyTuple_Check(expected) || !PyList_Check(sizes) ||
+      node->num_inputs() != static_cast<size_t>(PyTuple_GET_SIZE(expected))) {
+    return false;
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(expected); ++k) {
     const auto& meta = node->input_metadata(k);
     if (meta.was_default_constructed() || meta.is_nested_tensor() || meta.is_tensor_subclass()) {
       return false;  // shapes Python reads otherwise: the generic walk decides
     }
-    auto entry = py::reinterpret_borrow<py::tuple>(expected[k]);
-    PyObject* dtype = entry[1].ptr();
-    PyObject* device = entry[2].ptr();
+    PyObject* entry = PyTuple_GET_ITEM(expected, k);
+    PyObject* dtype = PyTuple_GET_ITEM(entry, 1);
+    PyObject* device = PyTuple_GET_ITEM(entry, 2);
     if (!THPDtype_Check(dtype) || !THPDevice_Check(device) ||
         reinterpret_cast<THPDtype*>(dtype)->scalar_type != meta.dtype().toScalarType() ||
         reinterpret_cast<THPDevice*>(device)->device != meta.device()) {
       return false;
     }
     auto shape = meta.shape_as_dim_vector();
-    if (static_cast<int64_t>(shape.size()) != entry[0].cast<int64_t>()) {
+    if (static_cast<long long>(shape.size()) != PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0))) {
       return false;
     }
     for (const auto& size : shape) {
       auto value = size.maybe_as_int();
-      if (!value.has_value()) {
+      if (!value.has_value() || !append_int(sizes, *value)) {
         return false;
       }
-      sizes.append(py::int_(*value));
     }
   }
   return true;
@@ -78,41 +88,71 @@ bool metas(py::handle object, py::tuple expected, py::list sizes) {
 // Python's checks of emit_tensor: exactly that type, rank, dtype, layout, device and
 // contiguity; then its sizes (and strides where it is not contiguous) appended.
 // ``expected``: (type, ndim, dtype, layout, device, contiguous).
-bool tensor(py::handle object, py::tuple expected, py::list sizes) {
-  PyObject* obj = object.ptr();
-  if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != expected[0].ptr() || !THPVariable_Check(obj)) {
+bool tensor(PyObject* obj, PyObject* expected, PyObject* sizes) {
+  if (!PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 6 || !PyList_Check(sizes) ||
+      reinterpret_cast<PyObject*>(Py_TYPE(obj)) != PyTuple_GET_ITEM(expected, 0) || !THPVariable_Check(obj)) {
     return false;
   }
   const at::Tensor& t = THPVariable_Unpack(obj);
-  PyObject* dtype = expected[2].ptr();
-  PyObject* layout = expected[3].ptr();
-  PyObject* device = expected[4].ptr();
+  PyObject* dtype = PyTuple_GET_ITEM(expected, 2);
+  PyObject* layout = PyTuple_GET_ITEM(expected, 3);
+  PyObject* device = PyTuple_GET_ITEM(expected, 4);
   if (!THPDtype_Check(dtype) || !THPLayout_Check(layout) || !THPDevice_Check(device) ||
       t.layout() != at::kStrided || t.is_nested() ||
-      t.dim() != expected[1].cast<int64_t>() ||
+      t.dim() != PyLong_AsLongLong(PyTuple_GET_ITEM(expected, 1)) ||
       reinterpret_cast<THPDtype*>(dtype)->scalar_type != t.scalar_type() ||
       reinterpret_cast<THPLayout*>(layout)->layout != t.layout() ||
       reinterpret_cast<THPDevice*>(device)->device != t.device()) {
     return false;
   }
   bool contiguous = t.is_contiguous();
-  if (contiguous != expected[5].cast<bool>()) {
+  if (contiguous != (PyTuple_GET_ITEM(expected, 5) == Py_True)) {
     return false;
   }
   for (auto size : t.sizes()) {
-    sizes.append(py::int_(size));
+    if (!append_int(sizes, size)) {
+      return false;
+    }
   }
   if (!contiguous) {
     for (auto stride : t.strides()) {
-      sizes.append(py::int_(stride));
+      if (!append_int(sizes, stride)) {
+        return false;
+      }
     }
   }
   return true;
 }
 
+// Called with three positional arguments, without pybind11's argument conversion: these
+// run for every node of every cached backward.
+template <bool (*check)(PyObject*, PyObject*, PyObject*)>
+PyObject* fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "expected 3 arguments: object, expected, sizes");
+    return nullptr;
+  }
+  bool ok;
+  try {
+    ok = check(args[0], args[1], args[2]);
+  } catch (const std::exception& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+    return nullptr;
+  }
+  if (PyErr_Occurred()) {
+    return nullptr;  // an allocation failed
+  }
+  return PyBool_FromLong(ok);
+}
+
+PyMethodDef metas_def = {"metas", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<metas>)),
+                         METH_FASTCALL, "emit_metas' checks of a node's input metadata; its shapes appended to sizes"};
+PyMethodDef tensor_def = {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<tensor>)),
+                          METH_FASTCALL, "emit_tensor's checks of a tensor; its sizes (strides) appended to sizes"};
+
 }  // namespace
 
 void add_walk(py::module_& m) {
-  m.def("metas", &metas, "emit_metas' checks of a node's input metadata; its shapes appended to sizes");
-  m.def("tensor", &tensor, "emit_tensor's checks of a tensor; its sizes (strides) appended to sizes");
+  m.attr("metas") = py::reinterpret_steal<py::object>(PyCFunction_New(&metas_def, nullptr));
+  m.attr("tensor") = py::reinterpret_steal<py::object>(PyCFunction_New(&tensor_def, nullptr));
 }
