@@ -81,3 +81,39 @@ def test_concurrent_training_loops_match_eager(cache_size):
     assert not mismatches, mismatches
     stats = gradfx.stats()
     assert stats["fallbacks"] == 0 and stats["cache_hits"] > 0
+
+
+def test_cache_lookups_and_evictions_on_many_threads():
+    """The cache's lookup, insertion and eviction are whole: a lookup once met an entry
+    another thread had just evicted (KeyError on marking it used), seen in
+    test_concurrent_training_loops_match_eager[3].  Threads switch every microsecond here."""
+    import sys
+    from gradfx.capture.run.cache import GraphCache
+
+    class Entry:
+        def guard(self, sizes):
+            return True
+
+    cache, errors = GraphCache(2), []
+
+    def work(seed):
+        try:
+            for k in range(20000):
+                structure = (seed * 7 + k) % 5
+                if cache.lookup(structure, [k % 3]) is None:
+                    cache.put(structure, [k % 3], Entry(), dynamic=bool(k % 2))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    assert len(cache) <= 2

@@ -19,6 +19,7 @@ walker can only be faster, never different.  Graphs with several roots, hooks,
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 from .. import native
@@ -229,31 +230,36 @@ class Walkers:
         self.per_root = per_root
         self._by_root: dict = {}
         self._where: dict = {}  # structure -> its (root type, config) list key
+        self._lock = threading.Lock()  # threads add and forget walkers (candidates reads)
 
     def candidates(self, root_type, config) -> list:
         return self._by_root.get((root_type, config), ())
 
     def add(self, root_type, config, walker) -> None:
         key = (root_type, config)
-        found = self._by_root.setdefault(key, [])
-        found.insert(0, walker)
-        self._where[walker.structure] = key
-        for dropped in found[self.per_root:]:
-            self._where.pop(dropped.structure, None)
-        del found[self.per_root:]
+        with self._lock:
+            found = list(self._by_root.get(key, ()))
+            found.insert(0, walker)
+            self._where[walker.structure] = key
+            for dropped in found[self.per_root:]:
+                self._where.pop(dropped.structure, None)
+            self._by_root[key] = found[:self.per_root]  # a new list: candidates() may iterate the old
 
     def forget(self, structure) -> None:
-        key = self._where.pop(structure, None)
-        if key is None:
-            return
-        found = self._by_root[key]
-        found[:] = [w for w in found if w.structure != structure]
-        if not found:
-            del self._by_root[key]
+        with self._lock:
+            key = self._where.pop(structure, None)
+            if key is None:
+                return
+            found = [w for w in self._by_root.get(key, ()) if w.structure != structure]
+            if found:
+                self._by_root[key] = found
+            else:
+                self._by_root.pop(key, None)
 
     def clear(self) -> None:
-        self._by_root.clear()
-        self._where.clear()
+        with self._lock:
+            self._by_root.clear()
+            self._where.clear()
 
     def __len__(self) -> int:
         return sum(map(len, self._by_root.values()))

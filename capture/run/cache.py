@@ -8,11 +8,17 @@ Everything kept per structure (the sizes of its latest capture, the positions
 made dynamic, its generated walker through ``on_forget``) goes when its last
 entry is evicted, so memory is bounded by the cache size however many
 structures, backends and pass lists a long run meets.
+
+Backwards on several threads share it: one lock makes each lookup, insertion and
+eviction whole (a lookup on one thread once met an entry another thread had just
+evicted, between finding it and marking it used).  An entry evicted while a thread
+runs its graph stays valid for that run.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -31,6 +37,7 @@ class Assumed:
 class GraphCache:
     def __init__(self, max_size: int = DEFAULT_SIZE):
         self.max_size = max_size
+        self._lock = threading.RLock()
         self._static: dict = {}  # (structure, sizes tuple) -> entry
         self._dynamic: dict = {}  # structure -> [entry], newest first
         self._lru: OrderedDict = OrderedDict()  # id(entry) -> (structure, sizes tuple or None, entry)
@@ -43,26 +50,32 @@ class GraphCache:
         self.assumed_none: dict = {}
 
     def lookup(self, structure, sizes):
-        entry = self._static.get((structure, tuple(sizes)))
-        if entry is None:
-            for candidate in self._dynamic.get(structure, ()):
-                if candidate.guard(sizes):
-                    entry = candidate
-                    break
-        if entry is not None:
-            self._lru.move_to_end(id(entry))
-        return entry
+        with self._lock:
+            entry = self._static.get((structure, tuple(sizes)))
+            if entry is None:
+                for candidate in self._dynamic.get(structure, ()):
+                    if candidate.guard(sizes):
+                        entry = candidate
+                        break
+            if entry is not None:
+                self._lru.move_to_end(id(entry))
+            return entry
 
     def entries(self, structure) -> list:
         """The cached entries of a structure, dynamic ones first (for explanations)."""
-        found = list(self._dynamic.get(structure, ()))
-        found += [e for (st, _), e in self._static.items() if st == structure]
-        return found
+        with self._lock:
+            found = list(self._dynamic.get(structure, ()))
+            found += [e for (st, _), e in self._static.items() if st == structure]
+            return found
 
     def known(self, structure) -> bool:
         return structure in self.last_sizes
 
     def put(self, structure, sizes, entry, dynamic: bool) -> None:
+        with self._lock:
+            self._put(structure, sizes, entry, dynamic)
+
+    def _put(self, structure, sizes, entry, dynamic: bool) -> None:
         if dynamic:
             self._dynamic.setdefault(structure, []).insert(0, entry)
             self._lru[id(entry)] = (structure, None, entry)
@@ -77,6 +90,11 @@ class GraphCache:
         self._per_structure[structure] = self._per_structure.get(structure, 0) + 1
         self.last_sizes[structure] = list(sizes)
         self._evict()
+
+    def evict(self) -> None:
+        """Drop the least recently used entries beyond ``max_size``."""
+        with self._lock:
+            self._evict()
 
     def _evict(self) -> None:
         while len(self._lru) > self.max_size:
@@ -103,10 +121,11 @@ class GraphCache:
         opaque calls, ``none`` of them None: the next backward assumes so."""
         base, assumed = (key.base, key.none) if isinstance(key, Assumed) else (key, frozenset())
         assumed = frozenset(a for a in assumed if a[0] != node) | {(node, k) for k in none}
-        if assumed:
-            self.assumed_none[base] = assumed
-        else:
-            self.assumed_none.pop(base, None)
+        with self._lock:
+            if assumed:
+                self.assumed_none[base] = assumed
+            else:
+                self.assumed_none.pop(base, None)
 
     def _forget(self, structure) -> None:
         self.assumed_none.pop(structure.base if isinstance(structure, Assumed) else structure, None)
@@ -117,6 +136,10 @@ class GraphCache:
             fn(structure)
 
     def clear(self) -> None:
+        with self._lock:
+            self._clear()
+
+    def _clear(self) -> None:
         self._static.clear()
         self._dynamic.clear()
         self._lru.clear()
@@ -147,4 +170,4 @@ def set_cache_size(max_size: int) -> None:
     if size < 1:
         raise ValueError(f"cache size must be at least 1, got {size}")
     cache.max_size = size
-    cache._evict()
+    cache.evict()
