@@ -117,9 +117,11 @@ def in_situ(name, steps):
 def _kind(body: str) -> str:
     """What a generated line reads, for the attribution."""
     rules = [
-        ("register_hooks (take-over)", r"register_hooks"),
+        ("structure (C++: roots, edges, sequence numbers)", r"native_structure\(|^nodes, s = |^n0, "),
+        ("register_hooks (take-over)", r"register_hooks|native_take\("),
         ("hooks", r"collect\(|\bactive\b"),
         ("_raw_saved_* reads", r"^r\d+_\d+ = |unpack_hook|any_hooked"),
+        ("saved tensors (C++: reads, unpacks, checks)", r"native_saved\(|^xs is not None|^if not \(xs is|^x\d+_\d+, "),
         ("saved tensor unpacks", r"^[xg]\d+_\d+(_\d+)? = "),
         ("_input_metadata", r"^(m|mk) = |^sh = mk|mk\.dtype|len\(m\)|native_metas\("),
         ("next_functions", r"\bnf\b"),

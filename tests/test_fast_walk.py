@@ -5,6 +5,8 @@ them (capture/native/walk.cpp), and with Python alone (the reference, as where t
 compiled part is not loaded).
 """
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -36,8 +38,11 @@ def test_the_walker_reads_as_its_variant_says(request):
     model = MODELS["mlp"][0]()
     with gradfx.compiled_autograd():
         model(torch.randn(4, 8)).sum().backward()
-    compiled = "native_metas(" in _walker().source
-    assert compiled == (request.node.callspec.params["fresh"] == "compiled reads")
+    source = _walker().source
+    compiled = request.node.callspec.params["fresh"] == "compiled reads"
+    for call in ("native_metas(", "native_structure(", "native_saved(", "native_take("):
+        assert (call in source) == compiled, call
+    assert ("next_functions" in source) != compiled
 
 
 MODELS = {
@@ -318,3 +323,156 @@ def test_floor_benchmark_measures_the_walkers_own_reads(monkeypatch):
                 o.release()
     assert found[0] == found[1]
     assert "return None" in walker.source and "return None" not in bare.source
+
+
+def _warm(kind):
+    """(leaf, a fresh forward) for a structure the walker already has: hits go through it."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    lin = nn.Linear(3, 3)
+
+    def forward():
+        if kind == "output":  # exp saves its result: unpacked with the node as its grad_fn
+            y = (w * 2).exp()
+            return (y * 1.0).sum(), y
+        if kind == "input":  # mul saves both inputs, the same tensor twice
+            a = w * 2
+            return (a * a).sum(), a
+        h = lin(w.expand(2, 3)).tanh()  # addmm saves its input, tanh its result
+        return (h * h).sum(), h
+    for _ in range(2):
+        with gradfx.compiled_autograd():
+            forward()[0].backward()
+    w.grad = None
+    return w, forward
+
+
+@pytest.mark.parametrize("kind", ["output", "input", "model"])
+def test_a_hit_takes_saved_tensors_over_as_the_generic_walk_does(kind):
+    """After a retain_graph hit every saved variable reads back as gradfx's (its unpack
+    hook, no data), and further backwards, gradfx's and eager's, accumulate as eager's."""
+    from gradfx.capture.graph.saved import is_ours
+    w, forward = _warm(kind)
+    loss, _ = forward()
+    with _Taken() as taken, gradfx.compiled_autograd():
+        loss.backward(retain_graph=True)
+    assert taken.count == 1
+    raws = [(getattr(node, name), getattr(node, "_saved_" + name[len("_raw_saved_"):]))
+            for node in _graph_nodes(loss) for name in dir(node) if name.startswith("_raw_saved_")]
+    defined = [r for r, value in raws if value is not None]  # an undefined one is never taken
+    assert defined and all(is_ours(r.unpack_hook) and r.data is None for r in defined)
+    assert all(r.unpack_hook is None for r, value in raws if value is None)
+    with gradfx.compiled_autograd():
+        loss.backward(retain_graph=True)  # adopts what the hit took over
+    loss.backward()  # eager's engine, unpacking through gradfx's hooks
+    eager_w, eager_forward = _eager_twin(kind)
+    ref = eager_forward()[0]
+    for _ in range(3):
+        ref.backward(retain_graph=True)
+    assert torch.equal(w.grad, eager_w.grad)
+
+
+def _eager_twin(kind):
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    lin = nn.Linear(3, 3)
+
+    def forward():
+        if kind == "output":
+            y = (w * 2).exp()
+            return (y * 1.0).sum(), y
+        if kind == "input":
+            a = w * 2
+            return (a * a).sum(), a
+        h = lin(w.expand(2, 3)).tanh()
+        return (h * h).sum(), h
+    return w, forward
+
+
+def _graph_nodes(loss):
+    seen, stack = [], [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or any(node is m for m in seen):
+            continue
+        seen.append(node)
+        stack += [fn for fn, _ in node.next_functions]
+    return seen
+
+
+def _error(run):
+    with pytest.raises(RuntimeError) as info:
+        run()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["output", "input", "model"])
+@pytest.mark.parametrize("second", ["eager", "gradfx"])
+def test_after_a_hit_a_second_backward_raises_eagers_error(kind, second):
+    """The saved tensors a hit took over are released as eager releases them: a second
+    backward, eager's engine unpacking through gradfx's hook or gradfx's walk, says
+    eager's words."""
+    w, forward = _warm(kind)
+    loss, _ = forward()
+    with _Taken() as taken, gradfx.compiled_autograd():
+        loss.backward()
+    assert taken.count == 1
+    grad = w.grad.clone()
+    if second == "eager":
+        message = _error(loss.backward)
+    else:
+        def again():
+            with gradfx.compiled_autograd():
+                loss.backward()
+        message = _error(again)
+    _, eager_forward = _eager_twin(kind)
+    eager_loss = eager_forward()[0]
+    eager_loss.backward()
+    assert message == _error(eager_loss.backward)
+    assert torch.equal(w.grad, grad)  # nothing written by the failed backward
+
+
+@pytest.mark.parametrize("kind", ["output", "input", "model"])
+@pytest.mark.parametrize("when", ["before the hit", "after a retain_graph hit"])
+def test_a_saved_tensor_modified_in_place_raises_eagers_error(kind, when):
+    """Before the hit the walker's unpack fails and the generic walk raises eager's
+    error; after one, gradfx's hook checks the version as eager would have."""
+    w, forward = _warm(kind)
+    loss, saved = forward()
+    if when != "before the hit":
+        with gradfx.compiled_autograd():
+            loss.backward(retain_graph=True)
+    with torch.no_grad():
+        saved.mul_(10)
+
+    def again():
+        with gradfx.compiled_autograd():
+            loss.backward()
+    message = _error(again)
+    _, eager_forward = _eager_twin(kind)
+    eager_loss, eager_saved = eager_forward()
+    if when != "before the hit":
+        eager_loss.backward(retain_graph=True)
+    with torch.no_grad():
+        eager_saved.mul_(10)
+    expected = _error(eager_loss.backward)
+    if kind == "output" or when == "before the hit":
+        assert message == expected
+    else:  # gradfx's hook holds the saved input without its history: its creator goes unnamed
+        assert ", which is output 0 of " in expected
+        assert message == re.sub(r", which is output \d+ of \w+,", "", expected)
+
+
+def test_the_walker_rejects_a_graph_wired_otherwise_with_the_same_node_types():
+    """Same node types in the same discovery order, one edge to another node: a miss."""
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    for _ in range(2):
+        with gradfx.compiled_autograd():
+            ((a * 2) * (b * 3)).sum().backward()
+    walker = _walker()
+    x = b * 2  # the same types; the second product's inputs are swapped leaves
+    loss = (x * (a * 3)).sum()
+    assert walker((loss,), (torch.ones(()),), (), True) is not None  # a differently wired graph of one structure
+    shared = a * 2
+    loss = (shared * shared).sum()  # one MulBackward0 where two were: predicted-new node is an old one
+    assert walker((loss,), (torch.ones(()),), (), True) is None

@@ -77,34 +77,20 @@ def generate(call: BackwardCall, tensors, structure):
     n_inputs = 0 if call.outputs is None else len(call.outputs)
     src.bail_unless(f"accumulate is {call.accumulate} and len(tensors) == {len(call.roots)} "
                     f"and len(grads) == {len(call.roots)} and len(inputs) == {n_inputs}")
-    # Roots, then discovery in the generic walk's order: each edge is a new node or an old one.
-    named = set()
-    for k, (j, nr) in enumerate(call.roots):
-        src.emit(f"t = tensors[{k}]")
-        if j in named:
-            src.bail_unless(f"t.grad_fn is n{j} and t.output_nr == {nr}")
-            continue
-        named.add(j)
-        src.emit(f"n{j} = t.grad_fn")
-        src.bail_unless(f"n{j} is not None and type(n{j}) is {src.const(type(nodes[j]))} "
-                        f"and t.output_nr == {nr}")
-    seen = len(named)
-    for i in range(n):
-        src.emit(f"nf = n{i}.next_functions")
-        src.bail_unless(f"len(nf) == {len(records[i].edges)}")
-        for k, e in enumerate(records[i].edges):
-            if e is None:
-                src.bail_unless(f"nf[{k}][0] is None")
-                continue
-            j, nr = e
-            if j == seen:  # first sighting
-                src.emit(f"n{j}, nr = nf[{k}]")
-                src.bail_unless(f"type(n{j}) is {src.const(type(nodes[j]))} and nr == {nr}")
-                seen += 1
-            else:
-                src.bail_unless(f"nf[{k}][0] is n{j} and nf[{k}][1] == {nr}")
-    src.emit(f"nodes = [{', '.join(f'n{i}' for i in range(n))}]")
-    src.bail_unless(f"len(set(map(id, nodes))) == {n}")  # no predicted-new node was an old one
+    # Roots, node types, edges and the sequence-number order: one C++ call where the
+    # compiled part is loaded (native/structure.cpp), else the same checks in Python.
+    seq = [nd._sequence_nr() for nd in nodes]
+    order = sorted(range(n), key=seq.__getitem__)  # ties keep discovery order, as the stable sort does
+    links = [(a, b, a >= b) for a, b in zip(order, order[1:])]  # seq[a] <= seq[b], < where a comes later
+    if native.module() is not None:
+        plan = (tuple(tuple(r) for r in call.roots), tuple(type(x) for x in nodes),
+                tuple(tuple(None if e is None else tuple(e) for e in r.edges) for r in records), tuple(links))
+        src.emit(f"found = native_structure(tensors, {src.const(plan)})")
+        src.bail_unless("found is not None")
+        src.emit("nodes, s = found")
+        src.emit(f"{', '.join(f'n{i}' for i in range(n))}, = nodes")
+    else:
+        _emit_structure(src, call, nodes, links)
 
     if call.outputs is not None:  # autograd.grad / backward(inputs=): where each input's edge is
         for pos, out in enumerate(call.outputs):
@@ -115,14 +101,6 @@ def generate(call: BackwardCall, tensors, structure):
                 src.bail_unless("fn is not None and all(fn is not x for x in nodes)")
             else:
                 src.bail_unless(f"fn is n{out[0]} and nr == {out[1]}")
-
-    # Sequence-number order (ties keep discovery order, as the stable sort does).
-    seq = [nd._sequence_nr() for nd in nodes]
-    order = sorted(range(n), key=seq.__getitem__)
-    src.emit("s = [x._sequence_nr() for x in nodes]")
-    chain = [f"s[{a}] {'<=' if a < b else '<'} s[{b}]" for a, b in zip(order, order[1:])]
-    if chain:
-        src.bail_unless(" and ".join(chain))
 
     accumulators = [i for i in range(n) if records[i].kind is ACCUMULATE]
     if accumulators:  # DistributedDataParallel's C++ reducer hooks: the generic walk falls back
@@ -173,6 +151,7 @@ def generate(call: BackwardCall, tensors, structure):
                      materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched,
                      ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
                      partial=partial, stream_ok=stream_ok, hidden_state=hidden.state, native_metas=_native('metas'), native_tensor=_native('tensor'),
+                     native_structure=_native('structure'), native_saved=_native('saved'), native_take=_native('take'),
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)
@@ -182,6 +161,45 @@ def generate(call: BackwardCall, tensors, structure):
     walker.template = _template(call)
     walker.structure = structure
     return walker
+
+
+def _emit_structure(src: _Source, call: BackwardCall, nodes, links) -> None:
+    """The Python form of native/structure.cpp: roots, then discovery in the generic walk's
+    order (each edge a new node or an old one), then the sequence-number order."""
+    records = call.records
+    n = len(nodes)
+    named = set()
+    for k, (j, nr) in enumerate(call.roots):
+        src.emit(f"t = tensors[{k}]")
+        if j in named:
+            src.bail_unless(f"t.grad_fn is n{j} and t.output_nr == {nr}")
+            continue
+        named.add(j)
+        src.emit(f"n{j} = t.grad_fn")
+        src.bail_unless(f"n{j} is not None and type(n{j}) is {src.const(type(nodes[j]))} "
+                        f"and t.output_nr == {nr}")
+    seen = len(named)
+    for i in range(n):
+        src.emit(f"nf = n{i}.next_functions")
+        src.bail_unless(f"len(nf) == {len(records[i].edges)}")
+        for k, e in enumerate(records[i].edges):
+            if e is None:
+                src.bail_unless(f"nf[{k}][0] is None")
+                continue
+            j, nr = e
+            if j == seen:  # first sighting
+                src.emit(f"n{j}, nr = nf[{k}]")
+                src.bail_unless(f"type(n{j}) is {src.const(type(nodes[j]))} and nr == {nr}")
+                seen += 1
+            else:
+                src.bail_unless(f"nf[{k}][0] is n{j} and nf[{k}][1] == {nr}")
+    src.emit(f"nodes = [{', '.join(f'n{i}' for i in range(n))}]")
+    src.bail_unless(f"len(set(map(id, nodes))) == {n}")  # no predicted-new node was an old one
+
+    src.emit("s = [x._sequence_nr() for x in nodes]")
+    chain = [f"s[{a}] {'<' if strict else '<='} s[{b}]" for a, b, strict in links]
+    if chain:
+        src.bail_unless(" and ".join(chain))
 
 
 def _native(name: str):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -29,7 +30,8 @@ from torch.autograd.function import BackwardCFunction
 from .. import native
 from ..errors import _Fallback
 from . import hidden, hooks
-from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, readable, take_saved, unreadable
+from .saved import (ForeignHooks, ForeignOwned, Origin, SavedTensors, Untouched, _unpack, readable, take_saved,
+                    unreadable)
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
@@ -433,9 +435,40 @@ def leave_saved(w: Walk, i: int, node) -> bool:
     return True
 
 
+def native_offsets(node, info: TypeInfo):
+    """Where the compiled part finds the node's saved variables (native/saved.cpp), or None
+    where the Python lines read them: not loaded, a custom Function, a list of them."""
+    reader = native.module()
+    if reader is None or info.kind is not TRACED:
+        return None
+    raws = tuple(getattr(node, raw) for raw in info.raw_saved)
+    if any(type(raw) is tuple for raw in raws):
+        return None
+    return reader.offsets(node, raws)
+
+
 def emit_saved_check(src, i: int, node, info: TypeInfo, call) -> None:
     """Pass 1: read the saved tensors (eager's in-place check runs), check and size them."""
     mask = call.owned[i].mask
+    offsets = native_offsets(node, info)
+    if offsets is not None:  # the same reads and checks in one C++ call
+        expected = []
+        names = []
+        k = 0
+        for slot, defined in enumerate(mask):
+            if not defined:
+                expected.append(None)
+                continue
+            pos = call.records[i].saved[k]
+            expected.append(_tensor_expected(call, pos, call.inputs[pos]))
+            names.append(f"x{i}_{slot}")
+            k += 1
+        src.emit(f"xs = native_saved(n{i}, {src.const((offsets, tuple(expected)))}, sizes)")
+        src.bail_unless("xs is not None")
+        if names:
+            src.emit(f"{', '.join(names)}, = xs")
+        src.saved_names.setdefault(i, []).extend(names)
+        return
     k = 0
     m = 0
     for slot, (raw, attr) in enumerate(zip(info.raw_saved, info.saved_tensors)):
@@ -472,6 +505,12 @@ def emit_saved_take(src, i: int, node, info: TypeInfo, call) -> None:
     """Pass 2 (every check passed): take the saved variables over."""
     mask = call.owned[i].mask
     origin = Origin.of(node, info.saved_tensors, any(type(getattr(node, r)) is tuple for r in info.raw_saved))
+    offsets = native_offsets(node, info)
+    if offsets is not None:  # register_hooks and seal in one C++ call
+        defined = tuple(off for off, m in zip(offsets, mask) if m)
+        entry = (defined, mask, origin, SavedTensors, _unpack, partial)
+        src.emit(f"owned[{i}] = native_take(n{i}, {src.const(entry)})")
+        return
     src.emit("o = SavedTensors()")
     m = 0
     for slot, raw in enumerate(info.raw_saved):
@@ -489,12 +528,17 @@ def _device_check(src, var: str, device) -> str:
     return f"{var}.is_cpu" if device.type == "cpu" else f"{var}.device == {src.const(device)}"
 
 
+def _tensor_expected(call, pos: int, t) -> tuple:
+    """What native/walk.cpp's tensor check compares: type, ndim, dtype, layout, device, contiguous."""
+    _, ndim, stride_start = call.tensor_slots[pos]
+    return (type(t), ndim, t.dtype, t.layout, t.device, stride_start < 0)
+
+
 def emit_tensor(src, var: str, call, pos: int, t) -> None:
     """Check a tensor's structure and append its sizes as ``Walk.tensor`` does."""
     start, ndim, stride_start = call.tensor_slots[pos]
     if native.module() is not None:  # the same checks in one C++ call (capture/native/walk.cpp)
-        expected = (type(t), ndim, t.dtype, t.layout, t.device, stride_start < 0)
-        src.bail_unless(f"native_tensor({var}, {src.const(expected)}, sizes)")
+        src.bail_unless(f"native_tensor({var}, {src.const(_tensor_expected(call, pos, t))}, sizes)")
         return
     contiguous = "" if stride_start < 0 else "not "
     src.bail_unless(f"type({var}) is {src.const(type(t))}")  # a subclass: the generic walk falls back

@@ -31,7 +31,7 @@ import time
 import torch
 
 from .. import torch_releases
-from .build import SOURCES
+from .build import HEADERS, SOURCES
 
 log = logging.getLogger("gradfx")
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,7 +49,7 @@ _lock = threading.Lock()
 
 def _source_hash() -> str:
     digest = hashlib.sha256()
-    for name in SOURCES + ("build.py",):
+    for name in SOURCES + HEADERS + ("build.py",):
         with open(os.path.join(_HERE, name), "rb") as f:
             digest.update(f.read())
     digest.update(torch.__version__.encode())

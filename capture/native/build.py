@@ -15,7 +15,8 @@ import sys
 import time
 import traceback
 
-SOURCES = ("module.cpp", "hidden.cpp", "walk.cpp")
+SOURCES = ("module.cpp", "hidden.cpp", "walk.cpp", "structure.cpp", "saved.cpp")
+HEADERS = ("checks.h",)
 
 
 def build(directory: str, name: str) -> None:

@@ -1,14 +1,19 @@
-// gradfx's compiled part, one extension: hidden.cpp (hidden state of builtin nodes) and
-// walk.cpp (reads of the cache-hit walker).
+// gradfx's compiled part, one extension: hidden.cpp (hidden state of builtin nodes), and
+// for the cache-hit walker walk.cpp (metadata and tensor reads), structure.cpp (roots,
+// edges, sequence order) and saved.cpp (saved tensors read and taken over).
 #include <pybind11/pybind11.h>
 
 namespace py = pybind11;
 
 void add_hidden(py::module_& m);
 void add_walk(py::module_& m);
+void add_structure(py::module_& m);
+void add_saved(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gradfx's compiled part (capture/native)";
   add_hidden(m);
   add_walk(m);
+  add_structure(m);
+  add_saved(m);
 }

@@ -14,6 +14,8 @@
 
 #include <memory>
 
+#include "checks.h"
+
 namespace py = pybind11;
 using torch::autograd::Node;
 
@@ -85,10 +87,38 @@ bool metas(PyObject* object, PyObject* expected, PyObject* sizes) {
   return true;
 }
 
+// Called with three positional arguments, without pybind11's argument conversion: these
+// run for every node of every cached backward.
+template <bool (*check)(PyObject*, PyObject*, PyObject*)>
+PyObject* fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "expected 3 arguments: object, expected, sizes");
+    return nullptr;
+  }
+  bool ok;
+  try {
+    ok = check(args[0], args[1], args[2]);
+  } catch (const std::exception& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+    return nullptr;
+  }
+  if (PyErr_Occurred()) {
+    return nullptr;  // an allocation failed
+  }
+  return PyBool_FromLong(ok);
+}
+
+PyMethodDef metas_def = {"metas", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<metas>)),
+                         METH_FASTCALL, "emit_metas' checks of a node's input metadata; its shapes appended to sizes"};
+PyMethodDef tensor_def = {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<gradfx_native::tensor>)),
+                          METH_FASTCALL, "emit_tensor's checks of a tensor; its sizes (strides) appended to sizes"};
+
+}  // namespace
+
 // Python's checks of emit_tensor: exactly that type, rank, dtype, layout, device and
 // contiguity; then its sizes (and strides where it is not contiguous) appended.
 // ``expected``: (type, ndim, dtype, layout, device, contiguous).
-bool tensor(PyObject* obj, PyObject* expected, PyObject* sizes) {
+bool gradfx_native::tensor(PyObject* obj, PyObject* expected, PyObject* sizes) {
   if (!PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 6 || !PyList_Check(sizes) ||
       reinterpret_cast<PyObject*>(Py_TYPE(obj)) != PyTuple_GET_ITEM(expected, 0) || !THPVariable_Check(obj)) {
     return false;
@@ -123,34 +153,6 @@ bool tensor(PyObject* obj, PyObject* expected, PyObject* sizes) {
   }
   return true;
 }
-
-// Called with three positional arguments, without pybind11's argument conversion: these
-// run for every node of every cached backward.
-template <bool (*check)(PyObject*, PyObject*, PyObject*)>
-PyObject* fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "expected 3 arguments: object, expected, sizes");
-    return nullptr;
-  }
-  bool ok;
-  try {
-    ok = check(args[0], args[1], args[2]);
-  } catch (const std::exception& err) {
-    PyErr_SetString(PyExc_RuntimeError, err.what());
-    return nullptr;
-  }
-  if (PyErr_Occurred()) {
-    return nullptr;  // an allocation failed
-  }
-  return PyBool_FromLong(ok);
-}
-
-PyMethodDef metas_def = {"metas", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<metas>)),
-                         METH_FASTCALL, "emit_metas' checks of a node's input metadata; its shapes appended to sizes"};
-PyMethodDef tensor_def = {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<tensor>)),
-                          METH_FASTCALL, "emit_tensor's checks of a tensor; its sizes (strides) appended to sizes"};
-
-}  // namespace
 
 void add_walk(py::module_& m) {
   m.attr("metas") = py::reinterpret_steal<py::object>(PyCFunction_New(&metas_def, nullptr));
