@@ -26,7 +26,7 @@ from .. import native
 from . import distributed, hidden, hooks
 from .kinds import (ACCUMULATE, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
                     function_materializes, kind_of, stream_ok, traced_ctx_key, value_key)
-from .saved import ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks, readable
+from .saved import ForeignOwned, HeldByNode, SavedTensors, Untouched, _unpack, foreign_hooks, readable
 from .walk import BackwardCall, root_edge
 
 
@@ -148,10 +148,10 @@ def generate(call: BackwardCall, tensors, structure):
 
     code = "def fast_walk(tensors, grads, inputs, accumulate):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, traced_ctx_key=traced_ctx_key,
-                     materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched,
+                     materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched, HeldByNode=HeldByNode,
                      ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
                      partial=partial, stream_ok=stream_ok, hidden_state=hidden.state, native_metas=_native('metas'), native_tensor=_native('tensor'),
-                     native_structure=_native('structure'), native_saved=_native('saved'), native_take=_native('take'),
+                     native_structure=_native('structure'), native_saved=_native('saved'),
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)

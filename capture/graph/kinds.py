@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -30,8 +29,7 @@ from torch.autograd.function import BackwardCFunction
 from .. import native
 from ..errors import _Fallback
 from . import hidden, hooks
-from .saved import (ForeignHooks, ForeignOwned, Origin, SavedTensors, Untouched, _unpack, readable, take_saved,
-                    unreadable)
+from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, readable, take_saved, unreadable
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
@@ -504,13 +502,11 @@ def _emit_saved_value(src, var, mask, m, i, call, k):
 def emit_saved_take(src, i: int, node, info: TypeInfo, call) -> None:
     """Pass 2 (every check passed): take the saved variables over."""
     mask = call.owned[i].mask
-    origin = Origin.of(node, info.saved_tensors, any(type(getattr(node, r)) is tuple for r in info.raw_saved))
     offsets = native_offsets(node, info)
-    if offsets is not None:  # register_hooks and seal in one C++ call
-        defined = tuple(off for off, m in zip(offsets, mask) if m)
-        entry = (defined, mask, origin, SavedTensors, _unpack, partial)
-        src.emit(f"owned[{i}] = native_take(n{i}, {src.const(entry)})")
+    if offsets is not None:  # read in pass 1 by the compiled part: left to the node (HeldByNode)
+        src.emit(f"owned[{i}] = HeldByNode(n{i}, {src.const(offsets)}, {src.const(mask)})")
         return
+    origin = Origin.of(node, info.saved_tensors, any(type(getattr(node, r)) is tuple for r in info.raw_saved))
     src.emit("o = SavedTensors()")
     m = 0
     for slot, raw in enumerate(info.raw_saved):

@@ -32,7 +32,7 @@ from ..view.captured_graph import CapturedGraph
 from ..errors import FallbackWarning, Unsupported, _Fallback
 from .runtime_ops import Diverged, WrongGradient
 from ..stacklevel import user_stacklevel
-from ..graph.saved import ForeignHooks
+from ..graph.saved import ForeignHooks, HeldByNode
 from ..view import explain
 from ..graph.kinds import OPAQUE
 from ..graph.walk import BackwardCall, walk_backward
@@ -222,6 +222,11 @@ class Session:
         key = cache.key(structure)
         entry = cache.lookup(key, call.sizes)
         if entry is None:
+            if any(type(o) is HeldByNode for o in call.owned):
+                # The walker left the saved tensors to their nodes; tracing needs gradfx's
+                # own owners (fakes are substituted through them): the generic walk takes them.
+                call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph,
+                                     take_functions=not self._plain_graph)
             entry = self._capture(call, key, tensors, () if accumulate_grad else inputs)
             self._count("captures")
         else:
@@ -420,13 +425,17 @@ class Session:
         call.inputs = None  # the compiled graph becomes the only owner of its inputs
         owned = call.owned
         release_now = not keep_graph and entry.verified
+        early = ()
         if release_now:
             # Traced nodes' saved tensors now live only in `inputs`, so the graph frees
             # each at its last use; opaque nodes still read theirs and are released after.
+            # Where the graph may stop, the nodes run after it need theirs: a tensor left
+            # to its node (HeldByNode) cannot be given back once released.
             late = entry.release_after
-            for i, saved in enumerate(owned):
-                if saved is not None and i not in late:
-                    saved.release()
+            early = [i for i, saved in enumerate(owned) if saved is not None and i not in late
+                     and not (entry.frontiers and type(saved) is HeldByNode)]
+            for i in early:
+                owned[i].release()
         task = hook_ops.graph_task(call.executed_ids, keep_graph, call.outputs is None, _grad_inputs(call)) \
             if entry.runs_python else contextlib.nullcontext()
         try:
@@ -457,9 +466,10 @@ class Session:
         entry.verified = True
         del inputs
         if not keep_graph:
-            for i in (entry.release_after if release_now else range(len(owned))):
-                if owned[i] is not None:
-                    owned[i].release()
+            released = set(early)
+            for i, saved in enumerate(owned):
+                if saved is not None and i not in released:
+                    saved.release()
         return out
 
 
