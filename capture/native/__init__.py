@@ -7,7 +7,7 @@ it is ready, or where it cannot be built, those nodes run as themselves (opaque)
 they always could.
 
 The first capture of a process starts the build in a process of its own (``build.py``,
-about 25 s on two cores), so no backward waits for it; every later capture looks
+about 30-50 s on two cores), so no backward waits for it; every later capture looks
 whether it has finished (two ``stat`` calls until it has) and loads it then.  The
 library is cached per torch release, Python release and source (one directory under
 ``$GRADFX_CACHE_DIR``, by default ``~/.cache/gradfx``): later processes load it at once.

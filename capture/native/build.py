@@ -1,6 +1,6 @@
 """Build gradfx's compiled part into one directory: ``python build.py DIR``.
 
-Run by ``capture.native`` in a process of its own (a build takes about 25 s on two
+Run by ``capture.native`` in a process of its own (a build takes about 30-50 s on two
 cores and must not hold up a backward), with nothing of gradfx imported: only torch,
 whose ``cpp_extension`` compiles against the installed release's own headers.  It
 leaves in DIR either ``ok.json`` (build seconds, the library's size) or
