@@ -481,3 +481,28 @@ def test_the_walker_rejects_a_graph_wired_otherwise_with_the_same_node_types():
     shared = a * 2
     loss = (shared * shared).sum()  # one MulBackward0 where two were: predicted-new node is an old one
     assert walker((loss,), (torch.ones(()),), (), True) is None
+
+
+def test_a_leaf_whose_grad_dtype_or_requires_grad_changed_is_not_the_cached_leaf():
+    """The leaf's grad_dtype and requires_grad are part of the key: a walker that read
+    the leaf once must send a changed one to the generic walk (which recaptures), and the
+    gradients stay eager's."""
+    def build(log):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(3))
+        b = torch.nn.Parameter(torch.randn(3))
+        steps = [0]
+
+        def step():
+            k = steps[0]
+            steps[0] += 1
+            w.grad = b.grad = None
+            w.grad_dtype = torch.float64 if k in (2, 3) else None
+            loss = (w.exp() * b).sum()
+            if k == 4:
+                b.requires_grad_(False)  # after the forward: its AccumulateGrad stays in the graph
+            loss.backward()
+            b.requires_grad_(True)
+            log.append(("grads", snap(w.grad), snap(b.grad)))
+        return [w, b], step
+    run_both(build, iterations=6, expect_captures=3, strict=True)

@@ -152,6 +152,7 @@ def generate(call: BackwardCall, tensors, structure):
                      ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
                      partial=partial, stream_ok=stream_ok, hidden_state=hidden.state, native_metas=_native('metas'), native_tensor=_native('tensor'),
                      native_structure=_native('structure'), native_saved=_native('saved'),
+                     native_leaf=_native('leaf'),
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)
@@ -225,6 +226,8 @@ def _template(call: BackwardCall) -> BackwardCall:
     template.__dict__.update(call.__dict__)
     template.nodes = template.owned = template.inputs = template.sizes = template.seq = None
     template.walk_kinds = tuple(r.kind for r in call.records)
+    # The walker sets an owner exactly where the generic walk had one (kinds' take).
+    template.owner_indices = tuple(i for i, o in enumerate(call.owned) if o is not None)
     return template
 
 

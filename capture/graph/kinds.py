@@ -607,14 +607,16 @@ class AccumulateKind:
 
     def check(self, src, i, node, info, call) -> None:
         v = node.variable
+        if native.module() is not None and v.device.type != "cuda":  # the reads below in one C++ call
+            expected = ((type(v), v.dim(), v.dtype, v.layout, v.device, v.is_contiguous()), v.requires_grad,
+                        v.grad_dtype)
+            src.emit(f"v{i} = native_leaf(n{i}, {src.const(expected)}, sizes)")
+            src.bail_unless(f"v{i} is not None")
+            src.hook_lists[i] = emit_hooks(src, i, call.records[i], f"v{i}")
+            return
         src.emit(f"v{i} = n{i}.variable")
         src.bail_unless(f"type(v{i}) is {src.const(type(v))} and v{i}.requires_grad is {v.requires_grad} "
                         f"and v{i}.grad_dtype is {src.const(v.grad_dtype)}")  # a subclass: see emit_tensor
-        if native.module() is not None and v.device.type != "cuda":  # one C++ call (native/walk.cpp)
-            expected = (type(v), v.dim(), v.dtype, v.layout, v.device, v.is_contiguous())
-            src.bail_unless(f"native_tensor(v{i}, {src.const(expected)}, sizes)")
-            src.hook_lists[i] = emit_hooks(src, i, call.records[i], f"v{i}")
-            return
         src.emit(f"sh = v{i}.shape")
         src.bail_unless(f"len(sh) == {v.dim()} and v{i}.dtype is {src.const(v.dtype)} "
                         f"and v{i}.layout is {src.const(v.layout)} and {_device_check(src, f'v{i}', v.device)} "

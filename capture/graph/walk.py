@@ -77,6 +77,7 @@ class BackwardCall:
     inputs: list  # runtime inputs, in graph-placeholder order
     sizes: list  # every size-like int (shapes, non-contiguous strides, saved sizes)
     create_graph: bool = False  # the graph records its own autograd history (double backward)
+    owner_indices: tuple | None = None  # the nodes with an owner in ``owned`` (a walker's: fixed)
 
     def __post_init__(self):
         # Tracing may turn a node opaque; the records keep the kind as walked (for a retry).

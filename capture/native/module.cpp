@@ -1,6 +1,6 @@
 // gradfx's compiled part, one extension: hidden.cpp (hidden state of builtin nodes), and
-// for the cache-hit walker walk.cpp (metadata and tensor reads), structure.cpp (roots,
-// edges, sequence order) and saved.cpp (saved tensors read and taken over).
+// for the cache-hit walker walk.cpp (metadata, tensor and leaf reads), structure.cpp
+// (roots, edges, sequence order) and saved.cpp (saved tensors read and released).
 #include <pybind11/pybind11.h>
 
 namespace py = pybind11;

@@ -7,6 +7,7 @@
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -87,6 +88,53 @@ bool metas(PyObject* object, PyObject* expected, PyObject* sizes) {
   return true;
 }
 
+// AccumulateKind.check's reads of a leaf: the node's variable, exactly of the expected
+// type, with that requires_grad and grad_dtype, then emit_tensor's checks.  ``expected``:
+// (emit_tensor's tuple, requires_grad, grad_dtype or None).  The leaf, or None.
+PyObject* leaf(PyObject* object, PyObject* expected, PyObject* sizes) {
+  if (!torch::autograd::THPCppFunction_Check(object) || !PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 3) {
+    Py_RETURN_NONE;
+  }
+  auto* node = dynamic_cast<torch::autograd::AccumulateGrad*>(node_of(object));
+  if (node == nullptr || !node->variable.defined()) {
+    Py_RETURN_NONE;
+  }
+  const at::Tensor& variable = node->variable;
+  PyObject* grad_dtype = PyTuple_GET_ITEM(expected, 2);
+  const auto dtype = variable.grad_dtype();
+  if (variable.requires_grad() != (PyTuple_GET_ITEM(expected, 1) == Py_True) ||
+      (grad_dtype == Py_None ? dtype.has_value()
+                             : !THPDtype_Check(grad_dtype) || !dtype.has_value() ||
+                                   reinterpret_cast<THPDtype*>(grad_dtype)->scalar_type != *dtype)) {
+    Py_RETURN_NONE;
+  }
+  PyObject* obj = THPVariable_Wrap(variable);
+  if (obj == nullptr) {
+    return nullptr;
+  }
+  if (!gradfx_native::tensor(obj, PyTuple_GET_ITEM(expected, 0), sizes)) {
+    Py_DECREF(obj);
+    if (PyErr_Occurred()) {
+      return nullptr;
+    }
+    Py_RETURN_NONE;
+  }
+  return obj;
+}
+
+PyObject* leaf_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "leaf(node, expected, sizes)");
+    return nullptr;
+  }
+  try {
+    return leaf(args[0], args[1], args[2]);
+  } catch (const std::exception& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+    return nullptr;
+  }
+}
+
 // Called with three positional arguments, without pybind11's argument conversion: these
 // run for every node of every cached backward.
 template <bool (*check)(PyObject*, PyObject*, PyObject*)>
@@ -112,6 +160,9 @@ PyMethodDef metas_def = {"metas", reinterpret_cast<PyCFunction>(reinterpret_cast
                          METH_FASTCALL, "emit_metas' checks of a node's input metadata; its shapes appended to sizes"};
 PyMethodDef tensor_def = {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<gradfx_native::tensor>)),
                           METH_FASTCALL, "emit_tensor's checks of a tensor; its sizes (strides) appended to sizes"};
+
+PyMethodDef leaf_def = {"leaf", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&leaf_fastcall)),
+                        METH_FASTCALL, "AccumulateKind.check's reads of a leaf: the leaf, or None"};
 
 }  // namespace
 
@@ -157,4 +208,5 @@ bool gradfx_native::tensor(PyObject* obj, PyObject* expected, PyObject* sizes) {
 void add_walk(py::module_& m) {
   m.attr("metas") = py::reinterpret_steal<py::object>(PyCFunction_New(&metas_def, nullptr));
   m.attr("tensor") = py::reinterpret_steal<py::object>(PyCFunction_New(&tensor_def, nullptr));
+  m.attr("leaf") = py::reinterpret_steal<py::object>(PyCFunction_New(&leaf_def, nullptr));
 }

@@ -425,6 +425,9 @@ class Session:
         call.inputs = None  # the compiled graph becomes the only owner of its inputs
         owned = call.owned
         release_now = not keep_graph and entry.verified
+        held = call.owner_indices
+        if held is None:
+            held = [i for i, saved in enumerate(owned) if saved is not None]
         early = ()
         if release_now:
             # Traced nodes' saved tensors now live only in `inputs`, so the graph frees
@@ -432,8 +435,7 @@ class Session:
             # Where the graph may stop, the nodes run after it need theirs: a tensor left
             # to its node (HeldByNode) cannot be given back once released.
             late = entry.release_after
-            early = [i for i, saved in enumerate(owned) if saved is not None and i not in late
-                     and not (entry.frontiers and type(saved) is HeldByNode)]
+            early = [i for i in held if i not in late and not (entry.frontiers and type(owned[i]) is HeldByNode)]
             for i in early:
                 owned[i].release()
         task = hook_ops.graph_task(call.executed_ids, keep_graph, call.outputs is None, _grad_inputs(call)) \
@@ -467,9 +469,9 @@ class Session:
         del inputs
         if not keep_graph:
             released = set(early)
-            for i, saved in enumerate(owned):
-                if saved is not None and i not in released:
-                    saved.release()
+            for i in held:
+                if i not in released:
+                    owned[i].release()
         return out
 
 
