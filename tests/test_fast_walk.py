@@ -506,3 +506,23 @@ def test_a_leaf_whose_grad_dtype_or_requires_grad_changed_is_not_the_cached_leaf
             log.append(("grads", snap(w.grad), snap(b.grad)))
         return [w, b], step
     run_both(build, iterations=6, expect_captures=3, strict=True)
+
+
+def test_new_sizes_of_a_known_structure_capture_after_the_walker_found_it():
+    """The walker accepts a known structure at sizes with no graph yet: the capture that
+    follows takes the saved tensors over (compiled reads left them to their nodes, so the
+    session walks again) and traces them; gradients stay eager's at every size."""
+    def build(log):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 2))
+        sizes = iter([4, 6, 4, 6, 5])
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            out = model(torch.randn(next(sizes), 6))
+            out.register_hook(lambda g: log.append(("out", snap(g))))
+            out.square().sum().backward()
+        return list(model.parameters()), step
+    with _Taken() as taken:
+        run_both(build, iterations=5, expect_captures=3, dynamic=False, strict=True)
+    assert taken.count == 4  # every backward after the first: the two new sizes and the two hits
