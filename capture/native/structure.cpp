@@ -32,10 +32,6 @@ PyObject* object_of(const decltype(torch::autograd::Edge::function)& fn, PyObjec
   return obj;
 }
 
-long as_long(PyObject* item) {
-  return PyLong_AsLong(item);
-}
-
 // ``plan``: (roots, types, edges, chain), built by fast_walk from the recorded walk:
 //   roots  per root tensor (node index, output_nr); a root's index is new or an earlier root's;
 //   types  per node, its Python type;
@@ -75,9 +71,9 @@ PyObject* structure(PyObject* tensors, PyObject* plan) {
     }
     const at::Tensor& tensor = THPVariable_Unpack(t);
     PyObject* root = PyTuple_GET_ITEM(roots, k);
-    const long j = as_long(PyTuple_GET_ITEM(root, 0));
+    const long j = PyLong_AsLong(PyTuple_GET_ITEM(root, 0));
     const auto& fn = tensor.grad_fn();
-    if (!fn || static_cast<long>(tensor.output_nr()) != as_long(PyTuple_GET_ITEM(root, 1))) {
+    if (!fn || static_cast<long>(tensor.output_nr()) != PyLong_AsLong(PyTuple_GET_ITEM(root, 1))) {
       Py_RETURN_NONE;
     }
     if (j < static_cast<long>(nodes.size())) {
@@ -113,8 +109,8 @@ PyObject* structure(PyObject* tensors, PyObject* plan) {
         }
         continue;
       }
-      const long j = as_long(PyTuple_GET_ITEM(e, 0));
-      if (!edge.function || static_cast<long>(edge.input_nr) != as_long(PyTuple_GET_ITEM(e, 1))) {
+      const long j = PyLong_AsLong(PyTuple_GET_ITEM(e, 0));
+      if (!edge.function || static_cast<long>(edge.input_nr) != PyLong_AsLong(PyTuple_GET_ITEM(e, 1))) {
         Py_RETURN_NONE;
       }
       if (j < static_cast<long>(nodes.size())) {
@@ -148,8 +144,8 @@ PyObject* structure(PyObject* tensors, PyObject* plan) {
   }
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(chain); ++k) {
     PyObject* link = PyTuple_GET_ITEM(chain, k);
-    const uint64_t a = seq[as_long(PyTuple_GET_ITEM(link, 0))];
-    const uint64_t b = seq[as_long(PyTuple_GET_ITEM(link, 1))];
+    const uint64_t a = seq[PyLong_AsLong(PyTuple_GET_ITEM(link, 0))];
+    const uint64_t b = seq[PyLong_AsLong(PyTuple_GET_ITEM(link, 1))];
     if (PyTuple_GET_ITEM(link, 2) == Py_True ? !(a < b) : !(a <= b)) {
       Py_RETURN_NONE;
     }
