@@ -25,13 +25,20 @@ Measured (torch 2.13.0 CPU, transformers 5.24; batch 2, length 12):
 On CPU, dropout is ``input * bernoulli_mask / (1 - p)`` (MulBackward0), also inside
 SDPA's math path; ``NativeDropoutBackward0`` only appears where dropout is fused, on
 CUDA (its hidden ``train`` flag is read by gradfx's compiled part and keyed:
-tests/test_hidden_state.py; without that part it runs opaque). A fake-CUDA GPT-2
-(``FakeTensorMode``, ``device="cuda"``) cannot be recorded on a CPU-only build: the
-first autograd node on a CUDA fake aborts the process (``InputMetadata`` asks for the
-device's stream: "PyTorch is not linked with support for cuda devices"). And
-``gradfx.capture`` refuses fake tensors whatever their device (a tensor subclass), while
-a block hands their backward to the C++ engine as torch's own (``routing.torch_internal``):
-``test_fake_tensors``.
+tests/test_hidden_state.py; without that part it runs opaque). So GPT-2 also runs here
+with ``F.dropout`` as ``at::dropout`` runs it on CUDA (``native_dropout``): 7 dropout
+nodes, none opaque, bitwise eager, and compiled whole by inductor. On a CUDA build (CI's
+2.11.0 and 2.14.1 jobs; no GPU needed) a fake-CUDA GPT-2 (``FakeTensorMode``,
+``device="cuda"``, torch's own dropout) shows that this is the graph CUDA records: the
+same node kinds, as many of each. On a CPU-only build no fake-CUDA graph can be
+recorded: the first autograd node on a CUDA fake aborts the process (``InputMetadata``
+asks for the device's stream). ``gradfx.capture`` refuses fake tensors whatever their
+device (a tensor subclass), while a block hands their backward to the C++ engine as
+torch's own (``routing.torch_internal``): ``test_fake_tensors``.
+
+Under the built-in ``inductor`` (``test_census_inductor``, slow; GPT-2 in the default
+run) every graph of the transformers models compiles: no fallback, nothing left
+uncompiled, gradients close to eager's.
 
 timm models (ViT, ResNet, ConvNeXt, EfficientNet) run when timm imports; timm needs
 torchvision, whose PyPI wheel for torch 2.13 is a CUDA build that does not load on CPU
@@ -176,23 +183,16 @@ def fresh():
     gradfx.reset()
 
 
-@pytest.mark.parametrize("name", list(CENSUS))
-def test_census(name):
-    build, loss_of, expected = CENSUS[name]
-    for kind, reason in expected.items():  # an expected kind must be opaque for RUN_REAL's reason
-        assert RUN_REAL.get(kind) == reason, (kind, RUN_REAL.get(kind))
+def _train_twins(build, loss_of, backend, expected=frozenset(), check_first=None):
+    """Two SGD steps of a model and its eager twin (a capture, then a cache hit with new
+    dropout masks) under ``backend`` (strict: no fallback, no backend failure): the opaque
+    kinds of the capture and of the block's graphs are ``expected``, the gradients those of
+    eager (bitwise for the eager backend, ``assert_close`` for a compiler)."""
     torch.manual_seed(0)
     eager = build().train()
     gfx = copy.deepcopy(eager)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, gfx)]
-
-    with torch.no_grad():  # dropout is on: two seeds, two losses
-        torch.manual_seed(1)
-        a = loss_of(eager, 0)
-        torch.manual_seed(2)
-        assert not torch.equal(a, loss_of(eager, 0)), "dropout is off"
-
-    for step in range(2):  # a capture, then a cache hit with new dropout masks
+    for step in range(2):
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         torch.manual_seed(10 + step)
@@ -201,16 +201,112 @@ def test_census(name):
         loss = loss_of(gfx, step)
         if step == 0:
             assert len(autograd_nodes(loss.grad_fn)) > 100
+            if check_first is not None:
+                check_first(loss)
             assert kinds(gradfx.capture(loss).opaque_nodes) == set(expected)
-        with gradfx.compiled_autograd(backend="eager", strict=True) as session:
+        with gradfx.compiled_autograd(backend=backend, strict=True) as session:
             loss.backward()
         for graph in session.graphs:
             assert kinds(graph.opaque_nodes) == set(expected), graph.opaque_nodes
-        assert_same(grads_of(eager.parameters()), grads_of(gfx.parameters()))
+        assert_same(grads_of(eager.parameters()), grads_of(gfx.parameters()), exact=backend == "eager")
         for opt in opts:
             opt.step()
     stats = gradfx.stats()
-    assert (stats["captures"], stats["cache_hits"], stats["fallbacks"]) == (1, 1, 0), stats
+    assert (stats["captures"], stats["cache_hits"], stats["fallbacks"], stats["uncompiled"]) == (1, 1, 0, 0), stats
+
+
+@pytest.mark.parametrize("name", list(CENSUS))
+def test_census(name):
+    build, loss_of, expected = CENSUS[name]
+    for kind, reason in expected.items():  # an expected kind must be opaque for RUN_REAL's reason
+        assert RUN_REAL.get(kind) == reason, (kind, RUN_REAL.get(kind))
+    with torch.no_grad():  # dropout is on: two seeds, two losses
+        torch.manual_seed(0)
+        model = build().train()
+        torch.manual_seed(1)
+        a = loss_of(model, 0)
+        torch.manual_seed(2)
+        assert not torch.equal(a, loss_of(model, 0)), "dropout is off"
+    _train_twins(build, loss_of, "eager", expected)
+
+
+# The transformers models under the built-in inductor: every graph compiled (no graph
+# or region left uncompiled, no fallback), the gradients close to eager's.
+@pytest.mark.parametrize("name", [
+    pytest.param("gpt2", marks=[pytest.mark.slow, pytest.mark.sample]),
+    *(pytest.param(name, marks=pytest.mark.slow) for name in ("llama", "mistral", "bert", "t5")),
+])
+def test_census_inductor(name):
+    build, loss_of, expected = CENSUS[name]
+    _train_twins(build, loss_of, "inductor", expected)
+
+
+# --- dropout as CUDA runs it -------------------------------------------------------------
+
+def _fused_dropout(input, p=0.5, training=True, inplace=False):
+    """``F.dropout`` as ``at::dropout`` runs it on CUDA: the fused kernel, ``native_dropout``,
+    wherever it is acceptable there (training, 0 < p < 1, a non-empty input); elsewhere
+    (and in place) the CPU path."""
+    if training and not inplace and 0 < p < 1 and input.numel() > 0:
+        return torch.native_dropout(input, p, True)[0]
+    return _cpu_dropout(input, p, training, inplace)
+
+
+_cpu_dropout = torch.nn.functional.dropout
+
+
+@pytest.fixture
+def cuda_dropout(monkeypatch):
+    monkeypatch.setattr(torch.nn.functional, "dropout", _fused_dropout)
+
+
+def _kind_counts(root) -> dict:
+    """How many nodes of each kind; ``reshape``'s view counted as one kind, whichever node it
+    records (``ReshapeAliasBackward0`` on the fake-CUDA model, ``ViewBackward0`` on CPU)."""
+    counts: dict = {}
+    for node in autograd_nodes(root):
+        name = type(node).__name__
+        name = "ViewBackward0" if name == "ReshapeAliasBackward0" else name
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_gpt2_with_cudas_dropout(cuda_dropout, backend):
+    """GPT-2 in training with dropout as on CUDA (``NativeDropoutBackward0``, whose ``train``
+    flag is hidden in C++ and read by gradfx's compiled part): no node opaque; with the
+    eager backend bitwise eager, with inductor every graph compiled."""
+    def seven_dropouts(loss):  # the embeddings' and 3 per layer
+        assert _kind_counts(loss.grad_fn)["NativeDropoutBackward0"] == 7
+    _train_twins(gpt2, lm_loss("causal"), backend, check_first=seven_dropouts)
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                    reason="a CPU build of torch cannot make a fake CUDA tensor that requires grad")
+def test_fake_cuda_gpt2_has_the_graph_of_cudas_dropout(monkeypatch):
+    """What ``test_gpt2_with_cudas_dropout`` captures is the graph GPT-2 records on CUDA: a
+    fake-CUDA GPT-2 (a CUDA build, no GPU needed) running torch's own dropout has the same
+    node kinds, as many of each, and gradfx's compiled part reads the ``train`` flag of
+    each of its dropout nodes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from gradfx.capture import native
+    from gradfx.capture.graph import hidden
+
+    loss_of = lm_loss("causal")
+    monkeypatch.setattr(torch.nn.functional, "dropout", _fused_dropout)
+    torch.manual_seed(0)
+    imitated = _kind_counts(loss_of(gpt2().train(), 0).grad_fn)
+    monkeypatch.undo()
+    with FakeTensorMode():
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = gpt2().train()
+        loss = loss_of(model, 0, "cuda")
+    assert loss.device.type == "cuda"
+    assert _kind_counts(loss.grad_fn) == imitated
+    assert native.wait() is not None, native.reason()
+    dropouts = [n for n in autograd_nodes(loss.grad_fn) if type(n).__name__ == "NativeDropoutBackward0"]
+    assert len(dropouts) == 7 and all(hidden.state(n) == ((), (True,)) for n in dropouts)
 
 
 # --- fake tensors -----------------------------------------------------------------------
