@@ -27,6 +27,7 @@ log = logging.getLogger("gradfx")
 
 Backend = Callable[..., Callable]
 _registry: dict[str, Backend] = {}
+_changes = 0  # registrations so far (see changes())
 
 
 def register_backend(name: str, fn: Backend | None = None):
@@ -37,9 +38,17 @@ def register_backend(name: str, fn: Backend | None = None):
     def add(f: Backend) -> Backend:
         if not callable(f):
             raise TypeError(f"backend {name!r} must be callable, got {type(f).__name__}")
+        global _changes
         _registry[name] = f
+        _changes += 1
         return f
     return add(fn) if fn is not None else add
+
+
+def changes() -> int:
+    """How many times the registry has changed: what a name looked up before still means,
+    while this stays the same (blocks reuse their configuration so)."""
+    return _changes
 
 
 def list_backends() -> list[str]:
@@ -191,7 +200,7 @@ def _load_entry_points() -> None:
     for ep in entry_points(group="gradfx.backends"):
         if ep.name not in _registry:
             try:
-                _registry[ep.name] = ep.load()
+                register_backend(ep.name, ep.load())
             except Exception as err:  # a broken plugin must not break gradfx
                 log.warning("gradfx: could not load backend entry point %s: %s", ep.name, err)
 

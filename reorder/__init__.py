@@ -23,6 +23,7 @@ from .strip_detach import strip_detach
 Pass = Callable[[fx.Graph], None]
 
 _registry: dict[str, Pass] = {}
+_changes = 0  # registrations so far (see changes())
 
 
 def register_pass(name: str, fn: Pass | None = None):
@@ -33,9 +34,16 @@ def register_pass(name: str, fn: Pass | None = None):
     def add(f: Pass) -> Pass:
         if not callable(f):
             raise TypeError(f"pass {name!r} must be callable, got {type(f).__name__}")
+        global _changes
         _registry[name] = f
+        _changes += 1
         return f
     return add(fn) if fn is not None else add
+
+
+def changes() -> tuple:
+    """What ``resolve(None)`` depends on: the registrations so far and the default pipeline."""
+    return _changes, DEFAULT_PIPELINE
 
 
 register_pass("strip_detach", strip_detach)
