@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import time
 import warnings
@@ -17,7 +16,7 @@ from ..capture.stacklevel import user_stacklevel
 from ..capture.run import counters
 from ..capture.run.runtime_ops import accumulate_grad, accumulate_grad_unchecked
 from ..reorder.memory import frees_inputs_early
-from . import register_backend, takes_plain_graph
+from . import bindings, register_backend, takes_plain_graph
 from .split import MIN_OPS, aten_work, partition, runner
 
 log = logging.getLogger("gradfx")
@@ -37,27 +36,45 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     so its gradients have their leaves' metadata by construction, and the check
     that other backends' code gets would only cost time on every backward.  The
     copy calls each aten overload's own C function rather than its Python
-    ``OpOverload`` wrapper (the same kernel, one Python frame less per op).
+    ``OpOverload`` wrapper (the same kernel, one Python frame less per op), or torch's
+    public binding where that runs the same overload and the graph calls nothing that
+    could see ``__torch_function__`` disabled (``bindings``).
     """
     graph = copy.deepcopy(gm.graph)
     for node in graph.find_nodes(op="call_function", target=accumulate_grad):
         node.target = accumulate_grad_unchecked
+    # A graph of aten ops and accumulations alone runs without __torch_function__ (as
+    # eager's engine computes), so its ops may take torch's public bindings (bindings).
+    plain = bindings.plain(graph)
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            node.target = _direct(node.target)
+            fast = bindings.fastest(node) if plain else None
+            node.target = fast if fast is not None else bindings.direct(node.target)
     boxed = frees_inputs_early(gm.graph)
     if boxed:
         graph.set_codegen(_DropsUnusedInputs(
             {n.name for n in graph.find_nodes(op="placeholder") if not n.users}))
     private = fx.GraphModule(gm, graph)
-    if not boxed:
-        return private.forward
     forward = private.forward
+    if plain:
+        forward = _without_torch_function(forward)
+    if not boxed:
+        return forward
 
     def run(*args):
         return forward(list(args))
     run._boxed = forward
     return run
+
+
+def _without_torch_function(forward):
+    def run(*args):
+        with _DisableTorchFunction():
+            return forward(*args)
+    return run
+
+
+_DisableTorchFunction = torch._C.DisableTorchFunction
 
 
 class _DropsUnusedInputs(_BoxedCodeGen):
@@ -75,21 +92,6 @@ class _DropsUnusedInputs(_BoxedCodeGen):
             if bound and name in self.unused:
                 lines[k] = "    next(args_iter)"
         return "\n".join(lines)
-
-
-_direct_calls: dict = {}
-
-
-def _direct(op: torch._ops.OpOverload):
-    """``op``'s own C function, named so that fx's code calls it as a global: the same
-    overload without ``OpOverload.__call__``'s Python frame (0.4 us an op)."""
-    fn = _direct_calls.get(op)
-    if fn is None:
-        fn = functools.partial(op._op)  # a C-level callable that can carry a name
-        fn.__name__ = fn.__qualname__ = str(op).replace(".", "_")
-        fn.__module__ = __name__
-        _direct_calls[op] = fn
-    return fn
 
 
 def _functionalized(pure: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
