@@ -6,6 +6,8 @@ A cached backward reads the live autograd graph through torch's Python accessors
 one process and alternating step by step with eager backwards (as bench_backward does):
 
 - ``walker``: the generated walker of the model's structure, inside real gradfx backwards;
+- ``lines``: where the walker runs the walk as one C++ call (``walk_program``), the
+  generated lines it falls back on, alone;
 - ``reads only``: the same walker with every comparison removed, so only its reads and
   take-overs run (unsafe for anything but this measurement: it accepts any graph);
 
@@ -52,7 +54,7 @@ def _walker_of(model, x, loss_fn):
 
 
 def _recompiled(walker, lines, **names):
-    namespace = dict(walker.__globals__, **names)
+    namespace = dict(walker.lines.__globals__, **names)
     source = "\n".join(lines) + "\n"
     exec(compile(source, "<gradfx walker variant>", "exec"), namespace)
     variant = namespace["fast_walk"]
@@ -84,6 +86,9 @@ def in_situ(name, steps):
     model, x, loss_fn = _models()._setup(name)
     walker = _walker_of(model, x, loss_fn)
     variants = {"walker": walker, "reads only": reads_only(walker)}
+    if walker.lines is not walker:  # the walk as one C++ call (walk_program): its lines too
+        variants["lines"] = walker.lines
+    order = list(variants)
     times = {k: [] for k in variants}
     eager = []
     current = ["walker"]
@@ -103,7 +108,7 @@ def in_situ(name, steps):
             start = time.perf_counter()
             loss.backward()
             eager.append(time.perf_counter() - start)
-            current[0] = "walker" if step % 2 else "reads only"
+            current[0] = order[step % len(order)]
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model, x)
             with gradfx.compiled_autograd(backend="eager"):
@@ -182,7 +187,7 @@ def main():
     p.add_argument("--attribute", action="store_true", help="also print where the walker's time goes")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch={torch.__version__} threads={args.threads}; medians of {args.steps // 2} backwards each")
+    print(f"torch={torch.__version__} threads={args.threads}; medians over {args.steps} backwards, the variants taking turns")
     for name in args.models:
         if not bb._available(name):
             print(f"[{name}] skipped: transformers is not installed (pip install -e \".[models]\")")
@@ -190,7 +195,8 @@ def main():
         n, eager, t = in_situ(name, args.steps)
         w, r = t["walker"], t["reads only"]
         print(f"[{name}] {n} autograd nodes, eager backward {eager:.0f} us: walker {w:.0f} us ({w / n:.1f} us/node, "
-              f"{w / eager:.2f} of eager), reads only {r:.0f} us ({r / n:.1f} us/node, {r / eager:.2f} of eager)")
+              f"{w / eager:.2f} of eager), reads only {r:.0f} us ({r / n:.1f} us/node, {r / eager:.2f} of eager)"
+              + (f", its lines alone {t['lines']:.0f} us ({t['lines'] / n:.1f} us/node)" if "lines" in t else ""))
         if args.attribute:
             parts = attribute(name, 60)
             print("    walker right after a forward, by what each line reads (us): " + ", ".join(

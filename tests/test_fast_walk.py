@@ -526,3 +526,98 @@ def test_new_sizes_of_a_known_structure_capture_after_the_walker_found_it():
     with _Taken() as taken:
         run_both(build, iterations=5, expect_captures=3, dynamic=False, strict=True)
     assert taken.count == 4  # every backward after the first: the two new sizes and the two hits
+
+
+# -- the walk as one C++ call (walk_program, native/program.cpp) -------------------------
+
+def _compiled_only(request):
+    if request.node.callspec.params["fresh"] != "compiled reads":
+        pytest.skip("the one-call walk needs the compiled part")
+
+
+def _same_walk(a, b):
+    """Two walkers' answers: the same nodes, owners, inputs (the same objects or the same
+    saved tensors), sizes and sequence numbers."""
+    assert (a is None) == (b is None)
+    if a is None:
+        return
+    (nodes, owned, inputs, sizes, seq), (nodes2, owned2, inputs2, sizes2, seq2) = a, b
+    assert all(x is y for x, y in zip(nodes, nodes2)) and len(nodes) == len(nodes2)
+    assert [(type(o), getattr(o, "offsets", None), getattr(o, "mask", None)) for o in owned] == \
+        [(type(o), getattr(o, "offsets", None), getattr(o, "mask", None)) for o in owned2]
+    assert all(o.node is p.node for o, p in zip(owned, owned2) if o is not None)
+    assert len(inputs) == len(inputs2)
+    for x, y in zip(inputs, inputs2):
+        if isinstance(x, torch.Tensor) and x is not y:  # a saved tensor, another wrapper of it
+            assert (x.data_ptr(), x.shape, x.stride(), x.dtype) == (y.data_ptr(), y.shape, y.stride(), y.dtype)
+        else:
+            assert x is y
+    assert sizes == sizes2 and seq == seq2
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_one_call_walk_answers_as_its_lines(name, request):
+    _compiled_only(request)
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    with gradfx.compiled_autograd():
+        model(torch.randn(*shape)).sum().backward()
+    walker = _walker()
+    assert walker.lines is not walker and walker.program is not None
+    run = native.module().program
+    for batch in (shape[0], shape[0] + 1):  # the same sizes, then others: both accept, other sizes
+        loss, grad = model(torch.randn(batch, *shape[1:])).sum(), torch.ones(())
+        _same_walk(run((loss,), (grad,), walker.program), walker.lines((loss,), (grad,), (), True))
+    # another structure under the same root type: both refuse
+    loss = model[:-1](torch.randn(*shape)).sum() if isinstance(model, nn.Sequential) else \
+        (model(torch.randn(*shape)) * 2).sum()
+    assert run((loss,), (torch.ones(()),), walker.program) is None
+    assert walker.lines((loss,), (torch.ones(()),), (), True) is None
+
+
+def test_the_one_call_walk_leaves_what_it_cannot_see_to_its_lines(request):
+    """A saved value that differs, and a leaf that gained a tensor hook: the call answers
+    None; the lines refuse the first and find the hook (the walker then captures)."""
+    _compiled_only(request)
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def loss_of(dim):
+        return (x.softmax(dim) * 2).sum()
+    with gradfx.compiled_autograd():
+        loss_of(1).backward()
+    walker = _walker()
+    run = native.module().program
+    assert run((loss_of(1),), (torch.ones(()),), walker.program) is not None
+    loss = loss_of(0)  # SoftmaxBackward0's saved dim
+    assert run((loss,), (torch.ones(()),), walker.program) is None
+    assert walker.lines((loss,), (torch.ones(()),), (), True) is None
+    x.register_hook(lambda g: g * 3)
+    loss = loss_of(1)
+    assert run((loss,), (torch.ones(()),), walker.program) is None
+    eager_x = x.detach().clone().requires_grad_(True)
+    eager_x.register_hook(lambda g: g * 3)
+    x.grad = None
+    with gradfx.compiled_autograd():
+        loss.backward()
+    (eager_x.softmax(1) * 2).sum().backward()
+    assert torch.equal(x.grad, eager_x.grad)
+
+
+def test_structures_with_hooks_or_custom_functions_keep_their_lines(request):
+    _compiled_only(request)
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+    x = torch.randn(3, requires_grad=True)
+    with gradfx.compiled_autograd():
+        Twice.apply(x).sum().backward()
+    walker = _walker()
+    assert walker.lines is walker and not hasattr(walker, "program")

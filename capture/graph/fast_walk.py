@@ -23,7 +23,7 @@ import threading
 from functools import partial
 
 from .. import native
-from . import distributed, hidden, hooks
+from . import distributed, hidden, hooks, walk_program
 from .kinds import (ACCUMULATE, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
                     function_materializes, kind_of, stream_ok, traced_ctx_key, value_key)
 from .saved import ForeignOwned, HeldByNode, SavedTensors, Untouched, _unpack, foreign_hooks, readable
@@ -82,6 +82,7 @@ def generate(call: BackwardCall, tensors, structure):
     seq = [nd._sequence_nr() for nd in nodes]
     order = sorted(range(n), key=seq.__getitem__)  # ties keep discovery order, as the stable sort does
     links = [(a, b, a >= b) for a, b in zip(order, order[1:])]  # seq[a] <= seq[b], < where a comes later
+    plan = None
     if native.module() is not None:
         plan = (tuple(tuple(r) for r in call.roots), tuple(type(x) for x in nodes),
                 tuple(tuple(None if e is None else tuple(e) for e in r.edges) for r in records), tuple(links))
@@ -157,11 +158,33 @@ def generate(call: BackwardCall, tensors, structure):
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)
     exec(compile(code, f"<gradfx fast walk {n} nodes>", "exec"), namespace)
-    walker = namespace["fast_walk"]
+    lines = namespace["fast_walk"]
+    lines.source = code
+    program = walk_program.plan(call, plan, HeldByNode) if native.module() is not None else None
+    walker = lines if program is None else _with_program(lines, program, call)
     walker.source = code
+    walker.lines = lines
     walker.template = _template(call)
     walker.structure = structure
     return walker
+
+
+def _with_program(lines, program: tuple, call: BackwardCall):
+    """The walker that runs the whole walk as one C++ call (walk_program), its lines where
+    that answers None and wherever hooks may be live or distributed training is on."""
+    run = _native("program")
+    roots = len(call.roots)
+    hooks_active, dist_initialized = hooks.active, distributed.initialized
+
+    def fast_walk(tensors, grads, inputs, accumulate):
+        if (accumulate is True and len(tensors) == roots and len(grads) == roots and not inputs
+                and hooks_active() is None and not dist_initialized()):
+            found = run(tensors, grads, program)
+            if found is not None:
+                return found
+        return lines(tensors, grads, inputs, accumulate)
+    fast_walk.program = program
+    return fast_walk
 
 
 def _emit_structure(src: _Source, call: BackwardCall, nodes, links) -> None:

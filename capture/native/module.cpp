@@ -1,6 +1,7 @@
 // gradfx's compiled part, one extension: hidden.cpp (hidden state of builtin nodes), and
 // for the cache-hit walker walk.cpp (metadata, tensor and leaf reads), structure.cpp
-// (roots, edges, sequence order) and saved.cpp (saved tensors read and released).
+// (roots, edges, sequence order), saved.cpp (saved tensors read and released) and
+// program.cpp (a whole walk of builtin nodes and leaves in one call).
 #include <pybind11/pybind11.h>
 
 namespace py = pybind11;
@@ -9,6 +10,7 @@ void add_hidden(py::module_& m);
 void add_walk(py::module_& m);
 void add_structure(py::module_& m);
 void add_saved(py::module_& m);
+void add_program(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gradfx's compiled part (capture/native)";
@@ -16,4 +18,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   add_walk(m);
   add_structure(m);
   add_saved(m);
+  add_program(m);
 }

@@ -68,9 +68,11 @@ PyObject* offsets(PyObject* obj, PyObject* raws) {
   return result.release().ptr();
 }
 
+}  // namespace
+
 // Pass 1.  ``spec``: (offsets, expected), expected per variable None (saved undefined)
 // or emit_tensor's tuple.  The defined tensors as the getters unpack them, or None.
-PyObject* saved(PyObject* obj, PyObject* spec, PyObject* sizes) {
+PyObject* gradfx_native::saved(PyObject* obj, PyObject* spec, PyObject* sizes) {
   auto* fn = builtin(obj);
   if (fn == nullptr) {
     Py_RETURN_NONE;
@@ -117,6 +119,8 @@ PyObject* saved(PyObject* obj, PyObject* spec, PyObject* sizes) {
   return PyList_AsTuple(tensors.ptr());
 }
 
+namespace {
+
 // After the backward (or before its graph runs, which then holds the tensors): free the
 // variables at ``offsets`` as the engine's release_variables does once a node has run.
 // A later unpack raises eager's own error.
@@ -154,7 +158,7 @@ PyObject* offsets_fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return call<2>(offsets, args, nargs, "offsets(node, raw saved variables)");
 }
 PyObject* saved_fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return call<3>(saved, args, nargs, "saved(node, (offsets, expected), sizes)");
+  return call<3>(gradfx_native::saved, args, nargs, "saved(node, (offsets, expected), sizes)");
 }
 PyObject* reset_fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return call<2>(reset, args, nargs, "reset(node, offsets)");

@@ -12,6 +12,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "checks.h"
+
 namespace py = pybind11;
 using torch::autograd::Node;
 
@@ -32,14 +34,17 @@ PyObject* object_of(const decltype(torch::autograd::Edge::function)& fn, PyObjec
   return obj;
 }
 
+}  // namespace
+
 // ``plan``: (roots, types, edges, chain), built by fast_walk from the recorded walk:
 //   roots  per root tensor (node index, output_nr); a root's index is new or an earlier root's;
 //   types  per node, its Python type;
 //   edges  per node, per next edge None (undefined) or (node index, input_nr), an index
 //          one past the nodes seen so far being a first sighting (discovery order);
 //   chain  (a, b, strict) pairs: seq[a] < seq[b] (strict) or <= (ties keep discovery order).
-// Returns (nodes, sequence numbers) as lists, or None.
-PyObject* structure(PyObject* tensors, PyObject* plan) {
+// Returns (nodes, sequence numbers) as lists, or None.  ``tensors``: a PySequence_Fast.
+
+PyObject* gradfx_native::structure(PyObject* tensors, PyObject* plan) {
   PyObject* roots = PyTuple_GET_ITEM(plan, 0);
   PyObject* types = PyTuple_GET_ITEM(plan, 1);
   PyObject* edges = PyTuple_GET_ITEM(plan, 2);
@@ -153,6 +158,8 @@ PyObject* structure(PyObject* tensors, PyObject* plan) {
   return PyTuple_Pack(2, objects.ptr(), numbers.ptr());
 }
 
+namespace {
+
 PyObject* structure_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 4) {
     PyErr_SetString(PyExc_TypeError, "expected 2 arguments: tensors, plan (roots, types, edges, chain)");
@@ -164,7 +171,7 @@ PyObject* structure_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize
   }
   PyObject* result = nullptr;
   try {
-    result = structure(tensors, args[1]);
+    result = gradfx_native::structure(tensors, args[1]);
   } catch (const std::exception& err) {
     PyErr_SetString(PyExc_RuntimeError, err.what());
   }

@@ -53,9 +53,11 @@ bool append_int(PyObject* list, int64_t value) {
   return failed == 0;
 }
 
+}  // namespace
+
 // Python's checks of emit_metas: as many inputs, each of that rank, dtype and device;
 // then every shape appended to ``sizes``.  ``expected``: per input (ndim, dtype, device).
-bool metas(PyObject* object, PyObject* expected, PyObject* sizes) {
+bool gradfx_native::metas(PyObject* object, PyObject* expected, PyObject* sizes) {
   Node* node = node_of(object);
   if (node == nullptr || !PyTuple_Check(expected) || !PyList_Check(sizes) ||
       node->num_inputs() != static_cast<size_t>(PyTuple_GET_SIZE(expected))) {
@@ -91,7 +93,7 @@ bool metas(PyObject* object, PyObject* expected, PyObject* sizes) {
 // AccumulateKind.check's reads of a leaf: the node's variable, exactly of the expected
 // type, with that requires_grad and grad_dtype, then emit_tensor's checks.  ``expected``:
 // (emit_tensor's tuple, requires_grad, grad_dtype or None).  The leaf, or None.
-PyObject* leaf(PyObject* object, PyObject* expected, PyObject* sizes) {
+PyObject* gradfx_native::leaf(PyObject* object, PyObject* expected, PyObject* sizes) {
   if (!torch::autograd::THPCppFunction_Check(object) || !PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 3) {
     Py_RETURN_NONE;
   }
@@ -122,13 +124,15 @@ PyObject* leaf(PyObject* object, PyObject* expected, PyObject* sizes) {
   return obj;
 }
 
+namespace {
+
 PyObject* leaf_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3) {
     PyErr_SetString(PyExc_TypeError, "leaf(node, expected, sizes)");
     return nullptr;
   }
   try {
-    return leaf(args[0], args[1], args[2]);
+    return gradfx_native::leaf(args[0], args[1], args[2]);
   } catch (const std::exception& err) {
     PyErr_SetString(PyExc_RuntimeError, err.what());
     return nullptr;
@@ -156,7 +160,7 @@ PyObject* fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) 
   return PyBool_FromLong(ok);
 }
 
-PyMethodDef metas_def = {"metas", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<metas>)),
+PyMethodDef metas_def = {"metas", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<gradfx_native::metas>)),
                          METH_FASTCALL, "emit_metas' checks of a node's input metadata; its shapes appended to sizes"};
 PyMethodDef tensor_def = {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<gradfx_native::tensor>)),
                           METH_FASTCALL, "emit_tensor's checks of a tensor; its sizes (strides) appended to sizes"};

@@ -1,0 +1,111 @@
+"""The plan of a cache-hit walk in one C++ call (native/program.cpp).
+
+A structure made only of builtin nodes and leaves, with no hook, hidden state or
+custom Function, is what most training steps have.  Its generated walker's lines
+(``fast_walk``) then consist of the compiled part's reads (structure, metadata, saved
+tensors, leaves) and the saved values' getters, each followed by a comparison.  The
+same reads and comparisons, in the same order, run as one C++ call over a plan built
+here from the same specifications (``kinds``): no Python line per node, no bytecode
+to fetch per backward.  The call answers what the lines would return, or None; then
+the lines run (they decide, and the call took nothing over).  Where hooks may be
+live, or distributed training is on, the lines run directly.
+
+Every value check here is one of ``kinds.emit_values``' forms; a structure with any
+other (a nested size layout, a value keyed by ``value_key``) keeps its lines alone.
+"""
+
+from __future__ import annotations
+
+from .. import native
+from .kinds import (ACCUMULATE, TRACED, AccumulateKind, TracedKind, _tensor_expected, flatten_sizes,
+                    kind_of, native_offsets)
+from .saved import ForeignOwned
+
+# Step and input codes of program.cpp
+METAS, VALUE, SAVED, LEAF, GRAD = range(5)
+SIZE, SIZES, NONE, EQUAL = range(4)
+GRAD_INPUT, SAVED_INPUT, NODE_INPUT, LEAF_INPUT = range(4)
+
+
+def plan(call, structure_plan: tuple, held_type) -> tuple | None:
+    """program.cpp's plan for ``call``'s structure, or None where its lines must serve."""
+    if native.module() is None or call.outputs is not None or call.accumulate is not True:
+        return None
+    records = call.records
+    steps = [(GRAD, k, _tensor_expected(call, k, call.inputs[k])) for k in range(len(call.roots))]
+    layout = [(GRAD_INPUT, k, 0) for k in range(len(call.roots))]
+    held = []
+    for i, node in enumerate(call.nodes):
+        rec = records[i]
+        if not rec.runs or rec.hooks is not None or rec.kind not in (ACCUMULATE, TRACED):
+            return None
+        spec, info = kind_of(node)
+        if isinstance(spec, AccumulateKind):
+            v = node.variable
+            if v.device.type == "cuda":
+                return None
+            steps.append((LEAF, i, ((type(v), v.dim(), v.dtype, v.layout, v.device, v.is_contiguous()),
+                                    v.requires_grad, v.grad_dtype)))
+            layout.append((LEAF_INPUT, i, 0))
+            continue
+        if not isinstance(spec, TracedKind) or info.kind is not TRACED or info.hidden \
+                or type(call.owned[i]) is ForeignOwned:
+            return None
+        metas = node._input_metadata
+        if any(m.device.type == "cuda" for m in metas):
+            return None  # the stream check stays in Python
+        steps.append((METAS, i, tuple((len(m.shape), m.dtype, m.device) for m in metas)))
+        for attr in info.saved_values:
+            step = _value_step(i, type(node), attr, getattr(node, attr), attr in info.size_values)
+            if step is None:
+                return None
+            steps.append(step)
+        defined = 0
+        if info.raw_saved:
+            offsets = native_offsets(node, info)
+            if offsets is None:
+                return None
+            mask = call.owned[i].mask
+            expected = []
+            k = 0
+            for is_defined in mask:
+                if not is_defined:
+                    expected.append(None)
+                    continue
+                pos = rec.saved[k]
+                expected.append(_tensor_expected(call, pos, call.inputs[pos]))
+                k += 1
+            defined = k
+            steps.append((SAVED, i, (offsets, tuple(expected))))
+            held.append((i, offsets, mask))
+        layout += [(SAVED_INPUT, i, j) for j in range(defined)] + [(NODE_INPUT, i, 0)]
+    return (structure_plan, tuple(steps), tuple(layout), tuple(held), held_type, len(call.nodes))
+
+
+def _value_step(i: int, node_type: type, attr: str, value, is_size: bool):
+    """emit_values' check of one saved value as a step, or None for its other forms."""
+    descriptor = _descriptor(node_type, attr)
+    if descriptor is None:
+        return None
+    if is_size:
+        layout = flatten_sizes(value, [])
+        if layout is None:
+            return (VALUE, i, descriptor, SIZE, None)
+        if isinstance(layout, tuple) and all(e is None for e in layout):
+            return (VALUE, i, descriptor, SIZES, len(layout))
+        return None
+    tv = type(value)
+    if value is None:
+        return (VALUE, i, descriptor, NONE, None)
+    if tv in (int, bool, str, tuple) or (tv is float and value == value):
+        return (VALUE, i, descriptor, EQUAL, (tv, value))
+    return None
+
+
+def _descriptor(node_type: type, attr: str):
+    """The getter ``node.attr`` runs (a data descriptor of the type), or None."""
+    for klass in node_type.__mro__:
+        found = klass.__dict__.get(attr)
+        if found is not None:
+            return found if hasattr(type(found), "__get__") and hasattr(type(found), "__set__") else None
+    return None
