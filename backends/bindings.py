@@ -80,9 +80,10 @@ _verified: dict = {}
 
 
 def _signature(node: fx.Node):
-    """The argument types of a call site, or None where a binding might read them
-    otherwise: a tensor argument only as a graph value with its metadata, a Python value
-    only where the schema takes a Python value."""
+    """The argument types of a call site (what a binding's argument parser picks its
+    overload by; no sizes, so the cache stays small over a run's shapes), or None where a
+    binding might read them otherwise: a tensor argument only as a graph value with its
+    metadata, a Python value only where the schema takes a Python value."""
     schema = node.target._schema
     args = list(node.args) + [node.kwargs[a.name] for a in schema.arguments[len(node.args):]
                               if a.name in node.kwargs]
@@ -97,15 +98,15 @@ def _signature(node: fx.Node):
                 return None
             if any(type(s) is not int for s in (*val.shape, *val.stride())):
                 return None  # symbolic sizes: no meta twin (the C function serves)
-            parts.append((val.dtype, tuple(val.shape), tuple(val.stride()), val.device.type))
+            parts.append((val.dtype, val.dim(), val.device.type))
         elif tensor_typed and arg is not None:
             return None  # a number where the schema takes a tensor: converted otherwise
         elif isinstance(arg, (list, tuple)):
             if any(isinstance(a, fx.Node) for a in arg):
                 return None
-            parts.append((type(arg), tuple(arg)))
+            parts.append((type(arg), tuple(map(type, arg))))
         else:
-            parts.append(arg)
+            parts.append(type(arg))
     return tuple(parts), tuple(node.kwargs)
 
 

@@ -145,3 +145,11 @@ def test_training_with_bindings_is_bitwise_eager():
         with gradfx.compiled_autograd(backend="eager", strict=True):
             gfx(x).square().sum().backward()
         assert_same(grads_of(eager.parameters()), grads_of(gfx.parameters()))
+
+
+def test_the_check_is_made_once_per_argument_types_not_per_shape():
+    bindings._verified.clear()
+    for n in range(2, 12):
+        assert bindings.fastest(_site(aten.mm.default, torch.randn(n, 3), torch.randn(3, n))) is not None
+        assert bindings.fastest(_site(aten.view.default, torch.randn(n, 2), [2 * n])) is not None
+    assert len(bindings._verified) == 2
