@@ -17,7 +17,7 @@ import gradfx
 from gradfx.capture import native
 from gradfx.capture.graph import fast_walk
 from gradfx.capture.graph.walk import walk_backward
-from helpers import run_both, snap
+from helpers import Double, run_both, snap
 
 
 @pytest.fixture(autouse=True, params=["compiled reads", "python reads"])
@@ -53,6 +53,14 @@ MODELS = {
 }
 
 
+def _same_input(a, b):
+    """The same input: the same object, or the same saved tensor (maybe another wrapper of it)."""
+    if isinstance(a, torch.Tensor) and a is not b:
+        assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+    else:
+        assert a is b
+
+
 def _walker():
     (found,) = [w for ws in fast_walk.walkers._by_root.values() for w in ws][:1]
     return found
@@ -73,10 +81,7 @@ def test_walker_equals_generic_walk(name):
     assert generic.sizes == sizes
     assert len(generic.inputs) == len(inputs)
     for a, b in zip(generic.inputs[1:], inputs[1:]):
-        if isinstance(a, torch.Tensor):  # the same saved tensor (maybe another wrapper of it)
-            assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
-        else:
-            assert a is b
+        _same_input(a, b)
     assert [n is m for n, m in zip(generic.nodes, nodes)] == [True] * len(nodes)
     assert generic.seq == seq
 
@@ -548,10 +553,7 @@ def _same_walk(a, b):
     assert all(o.node is p.node for o, p in zip(owned, owned2) if o is not None)
     assert len(inputs) == len(inputs2)
     for x, y in zip(inputs, inputs2):
-        if isinstance(x, torch.Tensor) and x is not y:  # a saved tensor, another wrapper of it
-            assert (x.data_ptr(), x.shape, x.stride(), x.dtype) == (y.data_ptr(), y.shape, y.stride(), y.dtype)
-        else:
-            assert x is y
+        _same_input(x, y)
     assert sizes == sizes2 and seq == seq2
 
 
@@ -607,17 +609,8 @@ def test_the_one_call_walk_leaves_what_it_cannot_see_to_its_lines(request):
 
 def test_structures_with_hooks_or_custom_functions_keep_their_lines(request):
     _compiled_only(request)
-
-    class Twice(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a):
-            return a * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
     x = torch.randn(3, requires_grad=True)
     with gradfx.compiled_autograd():
-        Twice.apply(x).sum().backward()
+        Double.apply(x).sum().backward()
     walker = _walker()
     assert walker.lines is walker and not hasattr(walker, "program")
