@@ -14,7 +14,9 @@ from the same specifications (``kinds``) the generic walk follows:
 
 Any difference returns None and the generic walk runs instead, so a generated
 walker can only be faster, never different.  Graphs with several roots, hooks,
-``inputs=`` or distributed training take it too.
+``inputs=`` or distributed training take it too.  For structures of builtin nodes and
+leaves alone, the same walk runs first as one C++ call (``walk_program``); these lines
+answer wherever it does not.
 """
 
 from __future__ import annotations
