@@ -61,6 +61,16 @@ def _same_input(a, b):
         assert a is b
 
 
+def _captured(name):
+    """One of MODELS, built and captured: (model, input shape, the walker of its structure)."""
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    with gradfx.compiled_autograd():
+        model(torch.randn(*shape)).sum().backward()
+    return model, shape, _walker()
+
+
 def _walker():
     (found,) = [w for ws in fast_walk.walkers._by_root.values() for w in ws][:1]
     return found
@@ -68,12 +78,7 @@ def _walker():
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_walker_equals_generic_walk(name):
-    make, shape = MODELS[name]
-    torch.manual_seed(0)
-    model = make()
-    with gradfx.compiled_autograd():
-        model(torch.randn(*shape)).sum().backward()
-    walker = _walker()
+    model, shape, walker = _captured(name)
     loss = model(torch.randn(*shape)).sum()
     nodes, owned, inputs, sizes, seq = walker((loss,), (torch.ones(()),), (), True)
     generic = walk_backward((loss,), (torch.ones(()),), (), True)  # adopts what the walker took
@@ -560,12 +565,7 @@ def _same_walk(a, b):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_one_call_walk_answers_as_its_lines(name, request):
     _compiled_only(request)
-    make, shape = MODELS[name]
-    torch.manual_seed(0)
-    model = make()
-    with gradfx.compiled_autograd():
-        model(torch.randn(*shape)).sum().backward()
-    walker = _walker()
+    model, shape, walker = _captured(name)
     assert walker.lines is not walker and walker.program is not None
     run = native.module().program
     for batch in (shape[0], shape[0] + 1):  # the same sizes, then others: both accept, other sizes
