@@ -17,6 +17,7 @@ import gradfx
 from gradfx.capture import native
 from gradfx.capture.graph import fast_walk
 from gradfx.capture.graph.walk import walk_backward
+from gradfx.capture.run.cache import cache
 from helpers import Double, run_both, snap
 
 
@@ -61,6 +62,17 @@ def _same_input(a, b):
         assert a is b
 
 
+def _same_inputs(found, reference, nodes):
+    """A walker's inputs as the reference's; where the walker ran as one C++ call, a node's
+    own input is None (the session gives each node the graph reads: ``node_inputs``)."""
+    assert len(found) == len(reference)
+    node_ids = {id(x) for x in nodes}
+    for x, y in zip(found, reference):
+        if x is None and id(y) in node_ids:
+            continue
+        _same_input(x, y)
+
+
 def _captured(name):
     """One of MODELS, built and captured: (model, input shape, the walker of its structure)."""
     make, shape = MODELS[name]
@@ -84,9 +96,7 @@ def test_walker_equals_generic_walk(name):
     generic = walk_backward((loss,), (torch.ones(()),), (), True)  # adopts what the walker took
     assert (generic.key, walker.structure[1]) == walker.structure
     assert generic.sizes == sizes
-    assert len(generic.inputs) == len(inputs)
-    for a, b in zip(generic.inputs[1:], inputs[1:]):
-        _same_input(a, b)
+    _same_inputs(inputs[1:], generic.inputs[1:], generic.nodes)
     assert [n is m for n, m in zip(generic.nodes, nodes)] == [True] * len(nodes)
     assert generic.seq == seq
 
@@ -545,20 +555,21 @@ def _compiled_only(request):
         pytest.skip("the one-call walk needs the compiled part")
 
 
-def _same_walk(a, b):
-    """Two walkers' answers: the same nodes, owners, inputs (the same objects or the same
-    saved tensors), sizes and sequence numbers."""
-    assert (a is None) == (b is None)
-    if a is None:
+def _same_walk(one_call, lines):
+    """The one-call walk's answer and its lines': the same nodes (the call makes each
+    node's object when asked for), owners, inputs (the same objects or the same saved
+    tensors; a node's own input None, for the session to give where its graph reads it),
+    sizes and sequence numbers."""
+    assert (one_call is None) == (lines is None)
+    if one_call is None:
         return
-    (nodes, owned, inputs, sizes, seq), (nodes2, owned2, inputs2, sizes2, seq2) = a, b
-    assert all(x is y for x, y in zip(nodes, nodes2)) and len(nodes) == len(nodes2)
+    (nodes, owned, inputs, sizes, seq), (nodes2, owned2, inputs2, sizes2, seq2) = one_call, lines
+    assert type(nodes) is not list and type(nodes2) is list
+    assert len(nodes) == len(nodes2) and all(x is y for x, y in zip(nodes, nodes2))
     assert [(type(o), getattr(o, "offsets", None), getattr(o, "mask", None)) for o in owned] == \
         [(type(o), getattr(o, "offsets", None), getattr(o, "mask", None)) for o in owned2]
     assert all(o.node is p.node for o, p in zip(owned, owned2) if o is not None)
-    assert len(inputs) == len(inputs2)
-    for x, y in zip(inputs, inputs2):
-        _same_input(x, y)
+    _same_inputs(inputs, inputs2, nodes2)
     assert sizes == sizes2 and seq == seq2
 
 
@@ -614,3 +625,31 @@ def test_structures_with_hooks_or_custom_functions_keep_their_lines(request):
         Double.apply(x).sum().backward()
     walker = _walker()
     assert walker.lines is walker and not hasattr(walker, "program")
+
+
+def test_a_node_the_trace_ran_opaque_gets_its_object_from_the_one_call_walk(monkeypatch, request):
+    """A builtin node whose formula the trace could not run stays a real call in the graph,
+    which then reads the node's object: the one-call walk leaves node inputs None, and the
+    session gives the graph those it reads.  Gradients stay bitwise eager's on every hit."""
+    _compiled_only(request)
+    from gradfx.capture.trace.tracer import _Tracer
+    traced = _Tracer.run_traced
+
+    def gelu_opaque(self, i, node, grads):
+        return None if type(node).__name__ == "GeluBackward0" else traced(self, i, node, grads)
+    monkeypatch.setattr(_Tracer, "run_traced", gelu_opaque)
+
+    def build(log):
+        model = MODELS["mlp"][0]()
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(torch.randn(4, 8)).sum().backward()
+        return list(model.parameters()), step
+    with _Taken() as taken:
+        run_both(build, iterations=4, expect_captures=1, strict=True)
+    assert taken.count == 3
+    walker = _walker()
+    assert walker.lines is not walker  # the structure's hits ran as one C++ call
+    (entry,) = cache.entries(cache.key(walker.structure))
+    assert entry.release_after and entry.node_inputs  # the graph calls the node: it reads its object

@@ -28,7 +28,7 @@ from .. import native
 from . import distributed, hidden, hooks, walk_program
 from .kinds import (ACCUMULATE, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
                     function_materializes, kind_of, stream_ok, traced_ctx_key, value_key)
-from .saved import ForeignOwned, HeldByNode, SavedTensors, Untouched, _unpack, foreign_hooks, readable
+from .saved import ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks, readable
 from .walk import BackwardCall, root_edge
 
 
@@ -88,7 +88,7 @@ def generate(call: BackwardCall, tensors, structure):
     if native.module() is not None:
         plan = (tuple(tuple(r) for r in call.roots), tuple(type(x) for x in nodes),
                 tuple(tuple(None if e is None else tuple(e) for e in r.edges) for r in records), tuple(links))
-        src.emit(f"found = native_structure(tensors, {src.const(plan)})")
+        src.emit(f"found = native_structure(tensors, {src.const(native.module().compile_structure(plan))})")
         src.bail_unless("found is not None")
         src.emit("nodes, s = found")
         src.emit(f"{', '.join(f'n{i}' for i in range(n))}, = nodes")
@@ -151,7 +151,7 @@ def generate(call: BackwardCall, tensors, structure):
 
     code = "def fast_walk(tensors, grads, inputs, accumulate):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, traced_ctx_key=traced_ctx_key,
-                     materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched, HeldByNode=HeldByNode,
+                     materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched, HeldByNode=getattr(native.module(), "HeldByNode", None),
                      ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks,
                      partial=partial, stream_ok=stream_ok, hidden_state=hidden.state, native_metas=_native('metas'), native_tensor=_native('tensor'),
                      native_structure=_native('structure'), native_saved=_native('saved'),
@@ -162,7 +162,7 @@ def generate(call: BackwardCall, tensors, structure):
     exec(compile(code, f"<gradfx fast walk {n} nodes>", "exec"), namespace)
     lines = namespace["fast_walk"]
     lines.source = code
-    program = walk_program.plan(call, plan, HeldByNode) if native.module() is not None else None
+    program = walk_program.plan(call, plan) if native.module() is not None else None
     walker = lines if program is None else _with_program(lines, program, call)
     walker.source = code
     walker.lines = lines

@@ -125,29 +125,21 @@ class Untouched:
         release_variables(self.variables)
 
 
-class HeldByNode:
-    """The saved tensors of a builtin node that a cache hit read and left to the node.
+def left_to_node(owner) -> bool:
+    """Is ``owner`` a HeldByNode: the saved tensors of a builtin node that a cache hit read
+    and left to the node?
 
-    The compiled part's walker (native/saved.cpp) reads them with eager's checks and
-    takes nothing over: no hooks, so the node keeps them exactly as in eager (a
-    ``retain_graph`` backward leaves the graph as eager leaves it), a real run of the
-    node unpacks them itself, and every later error is torch's own.  ``release`` frees
-    them as the engine does once a node has run: before the graph runs where the graph
-    holds them (it frees each at its last use), else after the backward.  A capture
-    needs gradfx's own owners (tracing substitutes fakes through them): the session
-    walks such a backward again with the generic walk.
+    The compiled part's walker (native/saved.cpp, where the type lives) reads them with
+    eager's checks and takes nothing over: no hooks, so the node keeps them exactly as in
+    eager (a ``retain_graph`` backward leaves the graph as eager leaves it), a real run of
+    the node unpacks them itself, and every later error is torch's own.  ``release``
+    frees them as the engine does once a node has run: before the graph runs where the
+    graph holds them (it frees each at its last use), else after the backward.  A
+    capture needs gradfx's own owners (tracing substitutes fakes through them): the
+    session walks such a backward again with the generic walk.
     """
-
-    __slots__ = ("node", "offsets", "mask")
-    tensors = ()
-
-    def __init__(self, node, offsets: tuple, mask: tuple):
-        self.node = node
-        self.offsets = offsets
-        self.mask = mask
-
-    def release(self) -> None:
-        native.module().reset(self.node, self.offsets)
+    module = native.module()
+    return module is not None and type(owner) is module.HeldByNode
 
 
 class ForeignOwned:

@@ -27,8 +27,9 @@ SIZE, SIZES, NONE, EQUAL = range(4)
 GRAD_INPUT, SAVED_INPUT, NODE_INPUT, LEAF_INPUT = range(4)
 
 
-def plan(call, structure_plan: tuple, held_type) -> tuple | None:
-    """program.cpp's plan for ``call``'s structure, or None where its lines must serve."""
+def plan(call, structure_plan: tuple):
+    """program.cpp's plan for ``call``'s structure (parsed once: a capsule), or None where its
+    lines must serve."""
     if native.module() is None or call.outputs is not None or call.accumulate is not True:
         return None
     records = call.records
@@ -79,7 +80,8 @@ def plan(call, structure_plan: tuple, held_type) -> tuple | None:
             steps.append((SAVED, i, (offsets, tuple(expected))))
             held.append((i, offsets, mask))
         layout += [(SAVED_INPUT, i, j) for j in range(defined)] + [(NODE_INPUT, i, 0)]
-    return (structure_plan, tuple(steps), tuple(layout), tuple(held), held_type, len(call.nodes))
+    return native.module().compile_program(
+        (structure_plan, tuple(steps), tuple(layout), tuple(held), len(call.nodes)), list(call.nodes))
 
 
 def _value_step(i: int, node_type: type, attr: str, value, is_size: bool):

@@ -6,7 +6,12 @@
 // run, and decide.  Nothing is taken over, so running them after it changes nothing.
 
 #include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
 
+#include <array>
+#include <unordered_map>
+#include <memory>
 #include <vector>
 
 #include "checks.h"
@@ -15,47 +20,413 @@ namespace py = pybind11;
 
 namespace {
 
-enum Step : long { kMetas = 0, kValue = 1, kSaved = 2, kLeaf = 3, kGrad = 4 };
+using gradfx_native::LeafSpec;
+using gradfx_native::MetaSpec;
+using gradfx_native::NodePtr;
+using gradfx_native::SavedSpec;
+using gradfx_native::TensorSpec;
+
+enum Kind : long { kMetas = 0, kValue = 1, kSaved = 2, kLeaf = 3, kGrad = 4 };
 enum Value : long { kSize = 0, kSizes = 1, kNone = 2, kEqual = 3 };
 enum Input : long { kGradInput = 0, kSavedInput = 1, kNodeInput = 2, kLeafInput = 3 };
+// How a kEqual value compares: the forms emit_values' ``type(x) is T and x == C`` takes
+// most, read without building C; any other C through Python's ==.
+enum Equal : int8_t { kInt, kBool, kInts, kObject };
+
+struct Step {
+  int8_t kind;
+  int8_t mode;  // kValue: Value; kEqual: Equal in ``equal``
+  int8_t equal = kObject;
+  int32_t i;             // the node (kGrad: the root)
+  int32_t begin = 0;     // into the plan's specs or ints, by kind
+  int32_t count = 0;
+  int64_t number = 0;    // kSizes: the length; kInt: C
+  PyObject* descriptor = nullptr;  // kValue: the getter
+  PyObject* proxy = nullptr;       // kValue: the object it is called on (``proxy_for``)
+  PyObject* type = nullptr;        // kEqual: T
+  PyObject* constant = nullptr;    // kEqual: C
+};
+
+struct Held {
+  int32_t i;
+  PyObject* offsets;  // HeldByNode's arguments, borrowed from the plan's tuple
+  PyObject* mask;
+};
+
+struct Program {
+  py::object keep;  // the plan's tuple: owns every borrowed object below
+  std::unique_ptr<gradfx_native::Structure, void (*)(gradfx_native::Structure*)> structure{
+      nullptr, gradfx_native::free_structure};
+  std::vector<Step> steps;
+  std::vector<TensorSpec> tensors;
+  std::vector<MetaSpec> metas;
+  std::vector<LeafSpec> leaves;
+  std::vector<SavedSpec> saved;
+  std::vector<int64_t> ints;
+  std::vector<std::array<int32_t, 3>> layout;
+  std::vector<Held> held;
+  int32_t n = 0;
+};
+
+// A saved value's getter reads only the node its object points at.  Rather than make
+// every node's Python object on every backward (an allocation each, the bulk of a walk's
+// time), each getter runs on one object per node type, pointed at the node for the
+// call.  Made once per type and kept for the process; never seen by the garbage
+// collector (its traverse would read the node it points at between calls: none).
+PyObject* proxy_for(PyObject* type) {
+  static std::unordered_map<PyObject*, PyObject*> proxies;
+  auto found = proxies.find(type);
+  if (found != proxies.end()) {
+    return found->second;
+  }
+  auto* t = reinterpret_cast<PyTypeObject*>(type);
+  if (!PyType_Check(type) || t->tp_basicsize != static_cast<Py_ssize_t>(sizeof(torch::autograd::THPCppFunction))) {
+    return nullptr;
+  }
+  PyObject* proxy = t->tp_alloc(t, 0);  // zeroed: an empty node pointer
+  if (proxy == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  if (PyObject_IS_GC(proxy)) {
+    PyObject_GC_UnTrack(proxy);
+  }
+  new (&reinterpret_cast<torch::autograd::THPCppFunction*>(proxy)->cdata) NodePtr();
+  if (!torch::autograd::THPCppFunction_Check(proxy)) {
+    return nullptr;  // not a builtin node's type: left allocated, never used
+  }
+  Py_INCREF(type);
+  proxies.emplace(type, proxy);
+  return proxy;
+}
+
+// ``getter`` on node ``node`` through the proxy of its type: a new reference, or nullptr.
+PyObject* get(const Step& step, const NodePtr& node) {
+  auto& cdata = reinterpret_cast<torch::autograd::THPCppFunction*>(step.proxy)->cdata;
+  cdata = node;
+  PyObject* x = Py_TYPE(step.descriptor)->tp_descr_get(step.descriptor, step.proxy,
+                                                         reinterpret_cast<PyObject*>(Py_TYPE(step.proxy)));
+  cdata.reset();
+  return x;
+}
+
+// The walk's nodes, in discovery order, as a sequence: each node's Python object is
+// made when first asked for (the graph asks for none unless it calls a node or a hook).
+struct Walked {
+  PyObject_HEAD
+  std::vector<NodePtr>* nodes;
+  std::vector<PyObject*>* objects;  // new references, or nullptr until asked for
+};
+
+Py_ssize_t walked_length(PyObject* self) {
+  return static_cast<Py_ssize_t>(reinterpret_cast<Walked*>(self)->nodes->size());
+}
+
+PyObject* walked_item(PyObject* self, Py_ssize_t i) {
+  auto* w = reinterpret_cast<Walked*>(self);
+  if (i < 0 || static_cast<size_t>(i) >= w->nodes->size()) {
+    PyErr_SetString(PyExc_IndexError, "node index out of range");
+    return nullptr;
+  }
+  PyObject*& obj = (*w->objects)[i];
+  if (obj == nullptr) {
+    obj = torch::autograd::functionToPyObject((*w->nodes)[i]);
+    if (obj == nullptr) {
+      return nullptr;
+    }
+  }
+  Py_INCREF(obj);
+  return obj;
+}
+
+void walked_dealloc(PyObject* self) {
+  auto* w = reinterpret_cast<Walked*>(self);
+  for (PyObject* obj : *w->objects) {
+    Py_XDECREF(obj);
+  }
+  delete w->objects;
+  delete w->nodes;
+  PyObject_Free(self);
+}
+
+PySequenceMethods walked_sequence = [] {
+  PySequenceMethods m{};
+  m.sq_length = walked_length;
+  m.sq_item = walked_item;
+  return m;
+}();
+
+PyTypeObject walked_type = [] {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = "gradfx_native.Walked";
+  t.tp_basicsize = sizeof(Walked);
+  t.tp_flags = Py_TPFLAGS_DEFAULT;
+  t.tp_doc = "the nodes of a one-call walk, in discovery order; each node's object made when asked for";
+  t.tp_dealloc = walked_dealloc;
+  t.tp_as_sequence = &walked_sequence;
+  return t;
+}();
+
+PyObject* walked(std::vector<NodePtr>&& nodes) {
+  auto* w = PyObject_New(Walked, &walked_type);
+  if (w == nullptr) {
+    return nullptr;
+  }
+  w->nodes = new std::vector<NodePtr>(std::move(nodes));
+  w->objects = new std::vector<PyObject*>(w->nodes->size(), nullptr);
+  return reinterpret_cast<PyObject*>(w);
+}
+
+const char* const kProgram = "gradfx walk program";
 
 long at(PyObject* tuple, Py_ssize_t k) {
   return PyLong_AsLong(PyTuple_GET_ITEM(tuple, k));
 }
 
+bool fits(PyObject* x, int64_t* out) {
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(x, &overflow);
+  return overflow == 0 && !(*out == -1 && PyErr_Occurred());
+}
+
+// The value step's fields from (kValue, i, descriptor, mode, arg).
+bool parse_value(Program* p, PyObject* step, Step* out) {
+  out->descriptor = PyTuple_GET_ITEM(step, 2);
+  out->mode = static_cast<int8_t>(at(step, 3));
+  PyObject* arg = PyTuple_GET_ITEM(step, 4);
+  if (Py_TYPE(out->descriptor)->tp_descr_get == nullptr) {
+    return false;
+  }
+  switch (out->mode) {
+    case kSize:
+    case kNone:
+      return true;
+    case kSizes:
+      out->number = PyLong_AsLongLong(arg);
+      return out->number >= 0;
+    case kEqual: {
+      if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 2) {
+        return false;
+      }
+      out->type = PyTuple_GET_ITEM(arg, 0);
+      out->constant = PyTuple_GET_ITEM(arg, 1);
+      PyObject* c = out->constant;
+      if (out->type == reinterpret_cast<PyObject*>(&PyBool_Type) && PyBool_Check(c)) {
+        out->equal = kBool;
+      } else if (out->type == reinterpret_cast<PyObject*>(&PyLong_Type) && PyLong_CheckExact(c) &&
+                 fits(c, &out->number)) {
+        out->equal = kInt;
+      } else if (out->type == reinterpret_cast<PyObject*>(&PyTuple_Type) && PyTuple_CheckExact(c)) {
+        out->equal = kInts;
+        out->begin = static_cast<int32_t>(p->ints.size());
+        out->count = static_cast<int32_t>(PyTuple_GET_SIZE(c));
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(c); ++k) {
+          int64_t v;
+          if (!PyLong_CheckExact(PyTuple_GET_ITEM(c, k)) || !fits(PyTuple_GET_ITEM(c, k), &v)) {
+            out->equal = kObject;
+            break;
+          }
+          p->ints.push_back(v);
+        }
+      }
+      PyErr_Clear();
+      return true;
+    }
+    default:
+      return false;
+  }
+}
+
+// The plan tuple, parsed (see ``program`` for its form) with the recorded walk's node
+// objects (``nodes``: their C++ types); nullptr with an error set.
+Program* parse(PyObject* plan, PyObject* nodes) {
+  auto bad = [] {
+    if (!PyErr_Occurred()) {
+      PyErr_SetString(PyExc_ValueError, "a walk program's plan is as walk_program.plan builds it");
+    }
+    return nullptr;
+  };
+  if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 5) {
+    return bad();
+  }
+  auto p = std::make_unique<Program>();
+  p->keep = py::reinterpret_borrow<py::object>(plan);
+  p->structure.reset(gradfx_native::parse_structure(PyTuple_GET_ITEM(plan, 0), nodes));
+  if (!p->structure) {
+    return nullptr;
+  }
+  if (PyTuple_GET_SIZE(PyTuple_GET_ITEM(PyTuple_GET_ITEM(plan, 0), 1)) != PyLong_AsSsize_t(PyTuple_GET_ITEM(plan, 4))) {
+    return bad();  // as many node types as nodes
+  }
+  PyObject* steps = PyTuple_GET_ITEM(plan, 1);
+  PyObject* layout = PyTuple_GET_ITEM(plan, 2);
+  PyObject* held = PyTuple_GET_ITEM(plan, 3);
+  p->n = static_cast<int32_t>(PyLong_AsLong(PyTuple_GET_ITEM(plan, 4)));
+  if (!PyTuple_Check(steps) || !PyTuple_Check(layout) || !PyTuple_Check(held) || p->n < 0) {
+    return bad();
+  }
+  for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(steps); ++s) {
+    PyObject* item = PyTuple_GET_ITEM(steps, s);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 3) {
+      return bad();
+    }
+    Step step;
+    step.kind = static_cast<int8_t>(at(item, 0));
+    step.i = static_cast<int32_t>(at(item, 1));
+    if (step.i < 0 || (step.kind != kGrad && step.i >= p->n)) {
+      return bad();
+    }
+    PyObject* arg = PyTuple_GET_ITEM(item, 2);
+    bool ok = false;
+    switch (step.kind) {
+      case kGrad:
+        step.begin = static_cast<int32_t>(p->tensors.size());
+        p->tensors.emplace_back();
+        ok = gradfx_native::parse_tensor(arg, &p->tensors.back());
+        break;
+      case kMetas:
+        step.begin = static_cast<int32_t>(p->metas.size());
+        ok = gradfx_native::parse_metas(arg, &p->metas);
+        step.count = static_cast<int32_t>(p->metas.size()) - step.begin;
+        break;
+      case kValue:
+        step.proxy = proxy_for(gradfx_native::type_of(*p->structure, step.i));
+        ok = step.proxy != nullptr && PyTuple_GET_SIZE(item) == 5 && parse_value(p.get(), item, &step);
+        break;
+      case kSaved: {  // (offsets, expected per variable: None or emit_tensor's tuple)
+        if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 2) {
+          return bad();
+        }
+        PyObject* where = PyTuple_GET_ITEM(arg, 0);
+        PyObject* expected = PyTuple_GET_ITEM(arg, 1);
+        if (!PyTuple_Check(where) || !PyTuple_Check(expected) || PyTuple_GET_SIZE(where) != PyTuple_GET_SIZE(expected)) {
+          return bad();
+        }
+        step.begin = static_cast<int32_t>(p->saved.size());
+        ok = true;
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(where) && ok; ++k) {
+          SavedSpec spec;
+          spec.offset = PyLong_AsLongLong(PyTuple_GET_ITEM(where, k));
+          PyObject* want = PyTuple_GET_ITEM(expected, k);
+          if (want != Py_None) {
+            spec.tensor = static_cast<int32_t>(p->tensors.size());
+            p->tensors.emplace_back();
+            ok = gradfx_native::parse_tensor(want, &p->tensors.back());
+          }
+          p->saved.push_back(spec);
+        }
+        step.count = static_cast<int32_t>(p->saved.size()) - step.begin;
+        break;
+      }
+      case kLeaf:
+        step.begin = static_cast<int32_t>(p->leaves.size());
+        p->leaves.emplace_back();
+        ok = gradfx_native::parse_leaf(arg, &p->leaves.back());
+        break;
+    }
+    if (!ok) {
+      return bad();
+    }
+    p->steps.push_back(step);
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(layout); ++k) {
+    PyObject* ref = PyTuple_GET_ITEM(layout, k);
+    if (!PyTuple_Check(ref) || PyTuple_GET_SIZE(ref) != 3) {
+      return bad();
+    }
+    p->layout.push_back({static_cast<int32_t>(at(ref, 0)), static_cast<int32_t>(at(ref, 1)),
+                         static_cast<int32_t>(at(ref, 2))});
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(held); ++k) {
+    PyObject* h = PyTuple_GET_ITEM(held, k);
+    if (!PyTuple_Check(h) || PyTuple_GET_SIZE(h) != 3) {
+      return bad();
+    }
+    p->held.push_back({static_cast<int32_t>(at(h, 0)), PyTuple_GET_ITEM(h, 1), PyTuple_GET_ITEM(h, 2)});
+    if (p->held.back().i < 0 || p->held.back().i >= p->n) {
+      return bad();
+    }
+  }
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  return p.release();
+}
+
 // emit_values' check of one saved value ``x`` (a new reference, consumed).
-bool value(PyObject* x, long mode, PyObject* arg, PyObject* sizes) {
+bool value(PyObject* x, const Step& step, const Program& p, std::vector<int64_t>* sizes) {
   py::object owned = py::reinterpret_steal<py::object>(x);
-  switch (mode) {
+  int64_t v;
+  switch (step.mode) {
     case kSize:  // type(x) is int; sizes.append(x)
-      return PyLong_CheckExact(x) && PyList_Append(sizes, x) == 0;
+      if (!PyLong_CheckExact(x) || !fits(x, &v)) {
+        PyErr_Clear();
+        return false;
+      }
+      sizes->push_back(v);
+      return true;
     case kSizes: {  // type(x) is tuple and len(x) == n; sizes += x
-      if (!PyTuple_CheckExact(x) || PyTuple_GET_SIZE(x) != PyLong_AsSsize_t(arg)) {
+      if (!PyTuple_CheckExact(x) || PyTuple_GET_SIZE(x) != step.number) {
         return false;
       }
       for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(x); ++k) {
-        if (PyList_Append(sizes, PyTuple_GET_ITEM(x, k)) != 0) {
-          return false;
+        PyObject* item = PyTuple_GET_ITEM(x, k);
+        if (!PyLong_CheckExact(item) || !fits(item, &v)) {
+          PyErr_Clear();
+          return false;  // not a plain int: the lines decide
         }
+        sizes->push_back(v);
       }
       return true;
     }
     case kNone:
       return x == Py_None;
-    case kEqual: {  // type(x) is T and x == C
-      if (reinterpret_cast<PyObject*>(Py_TYPE(x)) != PyTuple_GET_ITEM(arg, 0)) {
-        return false;
-      }
-      const int same = PyObject_RichCompareBool(x, PyTuple_GET_ITEM(arg, 1), Py_EQ);
-      if (same < 0) {
-        PyErr_Clear();  // the Python line would raise here; the lines decide
-        return false;
-      }
-      return same == 1;
-    }
+    case kEqual:
+      break;
     default:
       return false;
   }
+  // type(x) is T and x == C
+  if (reinterpret_cast<PyObject*>(Py_TYPE(x)) != step.type) {
+    return false;
+  }
+  switch (step.equal) {
+    case kBool:
+      return x == step.constant;
+    case kInt:
+      if (fits(x, &v)) {
+        return v == step.number;
+      }
+      PyErr_Clear();
+      return false;  // beyond int64, unlike C
+    case kInts: {
+      if (PyTuple_GET_SIZE(x) != step.count) {
+        return false;
+      }
+      bool plain = true;
+      for (Py_ssize_t k = 0; k < step.count && plain; ++k) {
+        PyObject* item = PyTuple_GET_ITEM(x, k);
+        if (!PyLong_CheckExact(item) || !fits(item, &v)) {
+          PyErr_Clear();
+          plain = false;  // a float or bool equal to an int: Python's == says
+        } else if (v != p.ints[step.begin + k]) {
+          return false;
+        }
+      }
+      if (plain) {
+        return true;
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  const int same = PyObject_RichCompareBool(x, step.constant, Py_EQ);
+  if (same < 0) {
+    PyErr_Clear();  // the Python line would raise here; the lines decide
+    return false;
+  }
+  return same == 1;
 }
 
 // The leaf's tensor hooks: the lines' cheap condition (none), else they decide.
@@ -76,53 +447,48 @@ bool no_tensor_hooks(PyObject* leaf) {
   return true;
 }
 
-// ``plan``: (structure plan, steps, inputs, held, HeldByNode, n).
+// The plan's tuple, as walk_program.plan builds it: (structure plan, steps, inputs, held, n):
 //   steps   in the lines' order: (kGrad, k, expected), (kMetas, i, expected),
 //           (kValue, i, descriptor, mode, arg), (kSaved, i, spec), (kLeaf, i, expected);
 //   inputs  the returned inputs: (kGradInput, k, 0), (kSavedInput, i, j), (kNodeInput, i, 0),
 //           (kLeafInput, i, 0);
 //   held    (i, offsets, mask) per node whose saved tensors stay with it (HeldByNode).
-// Returns (nodes, owned, inputs, sizes, sequence numbers), or None.
-PyObject* program(PyObject* tensors, PyObject* grads, PyObject* plan) {
-  PyObject* steps = PyTuple_GET_ITEM(plan, 1);
-  PyObject* layout = PyTuple_GET_ITEM(plan, 2);
-  PyObject* held = PyTuple_GET_ITEM(plan, 3);
-  PyObject* held_type = PyTuple_GET_ITEM(plan, 4);
-  const Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(plan, 5));
-
-  py::object found = py::reinterpret_steal<py::object>(gradfx_native::structure(tensors, PyTuple_GET_ITEM(plan, 0)));
-  if (!found || found.ptr() == Py_None) {
-    return found.release().ptr();
+// Returns (nodes as a Walked sequence, owned, inputs, sizes, sequence numbers), or None.
+// A node's own entry among the inputs is None: a graph of builtin nodes reads none (the
+// session gives a graph that does, one whose trace made a node opaque, its objects).
+PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
+  if (PySequence_Fast_GET_SIZE(grads) != PySequence_Fast_GET_SIZE(tensors)) {
+    Py_RETURN_NONE;
   }
-  PyObject* nodes = PyTuple_GET_ITEM(found.ptr(), 0);
-  PyObject** node = PySequence_Fast_ITEMS(nodes);
+  std::vector<NodePtr> nodes;
+  if (gradfx_native::structure(tensors, *p.structure, true, &nodes) != 1) {
+    Py_RETURN_NONE;
+  }
   PyObject** grad = PySequence_Fast_ITEMS(grads);
 
-  py::list sizes;
-  std::vector<py::object> saved(n), leaves(n);
-  for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(steps); ++s) {
-    PyObject* step = PyTuple_GET_ITEM(steps, s);
-    const long i = at(step, 1);
+  std::vector<int64_t> sizes;
+  sizes.reserve(256);
+  std::vector<py::object> saved(p.n), leaves(p.n);
+  for (const Step& step : p.steps) {
+    const int32_t i = step.i;
     bool ok = false;
-    switch (at(step, 0)) {
+    switch (step.kind) {
       case kGrad:
-        ok = gradfx_native::tensor(grad[i], PyTuple_GET_ITEM(step, 2), sizes.ptr());
+        ok = gradfx_native::tensor(grad[i], p.tensors[step.begin], &sizes);
         break;
       case kMetas:
-        ok = gradfx_native::metas(node[i], PyTuple_GET_ITEM(step, 2), sizes.ptr());
+        ok = gradfx_native::metas(nodes[i].get(), p.metas.data() + step.begin, step.count, &sizes);
         break;
       case kValue: {
-        PyObject* descriptor = PyTuple_GET_ITEM(step, 2);
-        PyObject* x = Py_TYPE(descriptor)->tp_descr_get(descriptor, node[i],
-                                                        reinterpret_cast<PyObject*>(Py_TYPE(node[i])));
+        PyObject* x = get(step, nodes[i]);
         if (x == nullptr) {
           return nullptr;  // the getter raised: so would the line
         }
-        ok = value(x, at(step, 3), PyTuple_GET_ITEM(step, 4), sizes.ptr());
+        ok = value(x, step, p, &sizes);
         break;
       }
       case kSaved: {
-        PyObject* xs = gradfx_native::saved(node[i], PyTuple_GET_ITEM(step, 2), sizes.ptr());
+        PyObject* xs = gradfx_native::saved(nodes[i], p.saved.data() + step.begin, step.count, p.tensors.data(), &sizes);
         if (xs == nullptr) {
           return nullptr;
         }
@@ -131,7 +497,7 @@ PyObject* program(PyObject* tensors, PyObject* grads, PyObject* plan) {
         break;
       }
       case kLeaf: {
-        PyObject* v = gradfx_native::leaf(node[i], PyTuple_GET_ITEM(step, 2), sizes.ptr());
+        PyObject* v = gradfx_native::leaf(nodes[i].get(), p.leaves[step.begin], &sizes);
         if (v == nullptr) {
           return nullptr;
         }
@@ -148,36 +514,33 @@ PyObject* program(PyObject* tensors, PyObject* grads, PyObject* plan) {
     }
   }
 
-  py::list owned(n);
-  for (Py_ssize_t k = 0; k < n; ++k) {
+  py::list owned(p.n);
+  for (int32_t k = 0; k < p.n; ++k) {
     Py_INCREF(Py_None);
     PyList_SET_ITEM(owned.ptr(), k, Py_None);
   }
-  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(held); ++k) {
-    PyObject* h = PyTuple_GET_ITEM(held, k);
-    const long i = at(h, 0);
-    PyObject* args[] = {node[i], PyTuple_GET_ITEM(h, 1), PyTuple_GET_ITEM(h, 2)};
-    PyObject* o = PyObject_Vectorcall(held_type, args, 3, nullptr);
+  for (const Held& h : p.held) {
+    PyObject* o = gradfx_native::held(nodes[h.i], h.offsets, h.mask);
     if (o == nullptr) {
       return nullptr;
     }
-    PyList_SetItem(owned.ptr(), i, o);
+    PyList_SetItem(owned.ptr(), h.i, o);
   }
 
-  py::list inputs(PyTuple_GET_SIZE(layout));
-  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(layout); ++k) {
-    PyObject* ref = PyTuple_GET_ITEM(layout, k);
-    const long i = at(ref, 1);
+  py::list inputs(p.layout.size());
+  for (size_t k = 0; k < p.layout.size(); ++k) {
+    const auto& ref = p.layout[k];
+    const int32_t i = ref[1];
     PyObject* item;
-    switch (at(ref, 0)) {
+    switch (ref[0]) {
       case kGradInput:
         item = grad[i];
         break;
       case kSavedInput:
-        item = PyTuple_GET_ITEM(saved[i].ptr(), at(ref, 2));
+        item = PyTuple_GET_ITEM(saved[i].ptr(), ref[2]);
         break;
       case kNodeInput:
-        item = node[i];
+        item = Py_None;
         break;
       default:
         item = leaves[i].ptr();
@@ -185,14 +548,49 @@ PyObject* program(PyObject* tensors, PyObject* grads, PyObject* plan) {
     Py_INCREF(item);
     PyList_SET_ITEM(inputs.ptr(), k, item);
   }
-  return PyTuple_Pack(5, nodes, owned.ptr(), inputs.ptr(), sizes.ptr(), PyTuple_GET_ITEM(found.ptr(), 1));
+  py::list found_sizes(sizes.size());
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    PyObject* number = PyLong_FromLongLong(sizes[k]);
+    if (number == nullptr) {
+      return nullptr;
+    }
+    PyList_SET_ITEM(found_sizes.ptr(), k, number);
+  }
+  py::object seq = py::reinterpret_steal<py::object>(gradfx_native::sequence_numbers(nodes));
+  if (!seq) {
+    return nullptr;
+  }
+  py::object walk = py::reinterpret_steal<py::object>(walked(std::move(nodes)));
+  if (!walk) {
+    return nullptr;
+  }
+  return PyTuple_Pack(5, walk.ptr(), owned.ptr(), inputs.ptr(), found_sizes.ptr(), seq.ptr());
+}
+
+PyObject* compile_program(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "compile_program(plan, nodes)");
+    return nullptr;
+  }
+  Program* parsed = parse(args[0], args[1]);
+  if (parsed == nullptr) {
+    return nullptr;
+  }
+  PyObject* capsule = PyCapsule_New(parsed, kProgram, [](PyObject* c) {
+    delete static_cast<Program*>(PyCapsule_GetPointer(c, kProgram));
+  });
+  if (capsule == nullptr) {
+    delete parsed;
+  }
+  return capsule;
 }
 
 PyObject* program_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != 6) {
-    PyErr_SetString(PyExc_TypeError, "program(tensors, grads, plan)");
+  if (nargs != 3 || !PyCapsule_IsValid(args[2], kProgram)) {
+    PyErr_SetString(PyExc_TypeError, "program(tensors, grads, plan): plan from compile_program");
     return nullptr;
   }
+  const auto* plan = static_cast<Program*>(PyCapsule_GetPointer(args[2], kProgram));
   PyObject* tensors = PySequence_Fast(args[0], "tensors must be a sequence");
   if (tensors == nullptr) {
     return nullptr;
@@ -204,7 +602,7 @@ PyObject* program_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t
   }
   PyObject* result = nullptr;
   try {
-    result = program(tensors, grads, args[2]);
+    result = program(tensors, grads, *plan);
   } catch (const std::exception& err) {
     PyErr_SetString(PyExc_RuntimeError, err.what());
   }
@@ -213,6 +611,9 @@ PyObject* program_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t
   return result;
 }
 
+PyMethodDef compile_def = {
+    "compile_program", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&compile_program)), METH_FASTCALL,
+    "a walk plan (walk_program.plan's tuple) parsed once with the recorded nodes, for program()"};
 PyMethodDef program_def = {
     "program", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&program_fastcall)), METH_FASTCALL,
     "a cache-hit walk of builtin nodes and leaves: (nodes, owned, inputs, sizes, seq) or None"};
@@ -220,5 +621,9 @@ PyMethodDef program_def = {
 }  // namespace
 
 void add_program(py::module_& m) {
+  if (PyType_Ready(&walked_type) < 0) {
+    throw py::error_already_set();
+  }
+  m.attr("compile_program") = py::reinterpret_steal<py::object>(PyCFunction_New(&compile_def, nullptr));
   m.attr("program") = py::reinterpret_steal<py::object>(PyCFunction_New(&program_def, nullptr));
 }

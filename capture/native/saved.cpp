@@ -10,7 +10,7 @@
 //          modified in place), and emit_tensor's checks of each tensor: the tensors, or
 //          None where the Python lines would bail or raise (the generic walk then reads
 //          the node itself and raises eager's own error where there is one);
-//   reset  the variables released, as the engine's release_variables does: once the
+//   HeldByNode  the variables released, as the engine's release_variables does: once the
 //          graph holds the tensors, or after the backward.
 // Nothing is taken over (no hooks): the node keeps its tensors, as in eager, until then.
 
@@ -19,6 +19,9 @@
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
+
+#include <memory>
+#include <vector>
 
 #include "checks.h"
 
@@ -33,10 +36,6 @@ torch::autograd::THPCppFunction* builtin(PyObject* obj) {
     return nullptr;
   }
   return reinterpret_cast<torch::autograd::THPCppFunction*>(obj);
-}
-
-SavedVariable* member(torch::autograd::THPCppFunction* fn, PyObject* offset) {
-  return reinterpret_cast<SavedVariable*>(reinterpret_cast<char*>(fn->cdata.get()) + PyLong_AsSsize_t(offset));
 }
 
 // Where each of ``raws`` (the node's ``_raw_saved_*`` objects) lies in the node: a tuple
@@ -70,29 +69,24 @@ PyObject* offsets(PyObject* obj, PyObject* raws) {
 
 }  // namespace
 
-// Pass 1.  ``spec``: (offsets, expected), expected per variable None (saved undefined)
-// or emit_tensor's tuple.  The defined tensors as the getters unpack them, or None.
-PyObject* gradfx_native::saved(PyObject* obj, PyObject* spec, PyObject* sizes) {
-  auto* fn = builtin(obj);
-  if (fn == nullptr) {
-    Py_RETURN_NONE;
-  }
-  PyObject* where = PyTuple_GET_ITEM(spec, 0);
-  PyObject* expected = PyTuple_GET_ITEM(spec, 1);
-  py::list tensors;
-  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(where); ++k) {
-    SavedVariable* var = member(fn, PyTuple_GET_ITEM(where, k));
+// Pass 1: eager's checks of each variable as the ``_saved_*`` getters run them, then
+// emit_tensor's checks of each defined tensor (``specs[k].tensor`` indexes ``tensors``;
+// -1: saved undefined).  The defined tensors as the getters unpack them, or None.
+PyObject* gradfx_native::saved(const NodePtr& node, const SavedSpec* specs, size_t count,
+                               const TensorSpec* tensors, std::vector<int64_t>* sizes) {
+  py::list found;
+  for (size_t k = 0; k < count; ++k) {
+    auto* var = reinterpret_cast<SavedVariable*>(reinterpret_cast<char*>(node.get()) + specs[k].offset);
     if (var->has_hooks()) {
       Py_RETURN_NONE;  // ours from a retained run, or the user's
     }
     at::Tensor tensor;
     try {
-      tensor = var->unpack(fn->cdata);
+      tensor = var->unpack(node);
     } catch (const std::exception&) {
       Py_RETURN_NONE;  // freed or modified in place: the generic walk raises eager's error
     }
-    PyObject* want = PyTuple_GET_ITEM(expected, k);
-    if (want == Py_None) {
+    if (specs[k].tensor < 0) {
       if (tensor.defined()) {
         Py_RETURN_NONE;
       }
@@ -106,35 +100,190 @@ PyObject* gradfx_native::saved(PyObject* obj, PyObject* spec, PyObject* sizes) {
       return nullptr;
     }
     py::object owned = py::reinterpret_steal<py::object>(wrapped);
-    if (!gradfx_native::tensor(wrapped, want, sizes)) {
+    if (!gradfx_native::tensor(wrapped, tensors[specs[k].tensor], sizes)) {
       if (PyErr_Occurred()) {
         return nullptr;
       }
       Py_RETURN_NONE;
     }
-    if (PyList_Append(tensors.ptr(), wrapped) != 0) {
+    if (PyList_Append(found.ptr(), wrapped) != 0) {
       return nullptr;
     }
   }
-  return PyList_AsTuple(tensors.ptr());
+  return PyList_AsTuple(found.ptr());
 }
 
 namespace {
 
-// After the backward (or before its graph runs, which then holds the tensors): free the
-// variables at ``offsets`` as the engine's release_variables does once a node has run.
-// A later unpack raises eager's own error.
-PyObject* reset(PyObject* obj, PyObject* where) {
+// The Python lines' form: ``spec`` (offsets, expected), expected per variable None
+// (saved undefined) or emit_tensor's tuple.
+PyObject* saved_tuple(PyObject* obj, PyObject* spec, PyObject* sizes) {
   auto* fn = builtin(obj);
-  if (fn == nullptr || !PyTuple_Check(where)) {
-    PyErr_SetString(PyExc_TypeError, "reset: a builtin node and the offsets of its saved variables");
+  if (fn == nullptr || !PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 2 || !PyList_Check(sizes)) {
+    Py_RETURN_NONE;
+  }
+  PyObject* where = PyTuple_GET_ITEM(spec, 0);
+  PyObject* expected = PyTuple_GET_ITEM(spec, 1);
+  if (!PyTuple_Check(where) || !PyTuple_Check(expected) || PyTuple_GET_SIZE(where) != PyTuple_GET_SIZE(expected)) {
+    Py_RETURN_NONE;
+  }
+  std::vector<gradfx_native::SavedSpec> specs(PyTuple_GET_SIZE(where));
+  std::vector<gradfx_native::TensorSpec> tensors;
+  for (size_t k = 0; k < specs.size(); ++k) {
+    specs[k].offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(where, k));
+    PyObject* want = PyTuple_GET_ITEM(expected, k);
+    if (want != Py_None) {
+      tensors.emplace_back();
+      if (!gradfx_native::parse_tensor(want, &tensors.back())) {
+        Py_RETURN_NONE;
+      }
+      specs[k].tensor = static_cast<int32_t>(tensors.size() - 1);
+    }
+  }
+  std::vector<int64_t> found;
+  PyObject* xs = gradfx_native::saved(fn->cdata, specs.data(), specs.size(), tensors.data(), &found);
+  if (xs != nullptr && xs != Py_None && !gradfx_native::extend(sizes, found)) {
+    Py_DECREF(xs);
     return nullptr;
   }
-  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(where); ++k) {
-    member(fn, PyTuple_GET_ITEM(where, k))->reset_data();
+  return xs;
+}
+
+}  // namespace
+
+namespace {
+
+// HeldByNode (capture/graph/saved.py says what it is for): a builtin node whose saved
+// tensors a cache hit read and left to it, and where they lie in it.  ``release`` frees
+// them as the engine's release_variables does once a node has run (a later unpack
+// raises eager's own error).  A C type: the one-call walk makes one per such node per
+// backward, where a Python class's instance cost a call of its __init__.
+struct Held {
+  PyObject_HEAD
+  gradfx_native::NodePtr node;  // placement-constructed: the object's memory is C's
+  PyObject* object;             // the node's Python object, given or made when asked for
+  PyObject* offsets;            // tuple of byte offsets
+  PyObject* mask;               // tuple: per saved variable, was it defined
+};
+
+PyObject* held_new(PyTypeObject* type, PyObject* args, PyObject* kwargs);
+void held_dealloc(PyObject* self);
+
+PyObject* held_release(PyObject* self, PyObject* /*unused*/) {
+  auto* h = reinterpret_cast<Held*>(self);
+  char* base = reinterpret_cast<char*>(h->node.get());
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(h->offsets); ++k) {
+    reinterpret_cast<SavedVariable*>(base + PyLong_AsSsize_t(PyTuple_GET_ITEM(h->offsets, k)))->reset_data();
   }
   Py_RETURN_NONE;
 }
+
+PyObject* held_node(PyObject* self, void* /*closure*/) {
+  auto* h = reinterpret_cast<Held*>(self);
+  if (h->object == nullptr) {
+    h->object = torch::autograd::functionToPyObject(h->node);
+    if (h->object == nullptr) {
+      return nullptr;
+    }
+  }
+  Py_INCREF(h->object);
+  return h->object;
+}
+
+PyObject* held_offsets(PyObject* self, void* /*closure*/) {
+  PyObject* o = reinterpret_cast<Held*>(self)->offsets;
+  Py_INCREF(o);
+  return o;
+}
+
+PyObject* held_mask(PyObject* self, void* /*closure*/) {
+  PyObject* o = reinterpret_cast<Held*>(self)->mask;
+  Py_INCREF(o);
+  return o;
+}
+
+PyMethodDef held_methods[] = {
+    {"release", held_release, METH_NOARGS, "free the saved variables as the engine does once a node has run"},
+    {nullptr, nullptr, 0, nullptr}};
+PyGetSetDef held_getset[] = {
+    {"node", held_node, nullptr, "the node (its Python object)", nullptr},
+    {"offsets", held_offsets, nullptr, "where its saved variables lie in it (bytes)", nullptr},
+    {"mask", held_mask, nullptr, "per saved variable: was it defined", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyTypeObject held_type = [] {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = "gradfx_native.HeldByNode";
+  t.tp_basicsize = sizeof(Held);
+  t.tp_flags = Py_TPFLAGS_DEFAULT;
+  t.tp_doc = "the saved tensors of a builtin node that a cache hit read and left to the node";
+  t.tp_new = held_new;
+  t.tp_dealloc = held_dealloc;
+  t.tp_methods = held_methods;
+  t.tp_getset = held_getset;
+  return t;
+}();
+
+PyObject* make_held(const gradfx_native::NodePtr& node, PyObject* object, PyObject* offsets, PyObject* mask) {
+  if (!PyTuple_Check(offsets) || !PyTuple_Check(mask)) {
+    PyErr_SetString(PyExc_TypeError, "HeldByNode(node, offsets, mask): offsets and mask are tuples");
+    return nullptr;
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(offsets); ++k) {
+    const Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets, k));
+    if (offset < static_cast<Py_ssize_t>(sizeof(Node)) || offset > (1 << 16)) {
+      if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "HeldByNode: an offset that is not one of a saved variable");
+      }
+      return nullptr;
+    }
+  }
+  auto* h = PyObject_New(Held, &held_type);
+  if (h == nullptr) {
+    return nullptr;
+  }
+  new (&h->node) gradfx_native::NodePtr(node);
+  Py_XINCREF(object);
+  Py_INCREF(offsets);
+  Py_INCREF(mask);
+  h->object = object;
+  h->offsets = offsets;
+  h->mask = mask;
+  return reinterpret_cast<PyObject*>(h);
+}
+
+PyObject* held_new(PyTypeObject* /*type*/, PyObject* args, PyObject* kwargs) {
+  PyObject *object, *offsets, *mask;
+  if (kwargs != nullptr || !PyArg_UnpackTuple(args, "HeldByNode", 3, 3, &object, &offsets, &mask)) {
+    if (!PyErr_Occurred()) {
+      PyErr_SetString(PyExc_TypeError, "HeldByNode(node, offsets, mask)");
+    }
+    return nullptr;
+  }
+  auto* fn = builtin(object);
+  if (fn == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "HeldByNode: node must be a builtin autograd node");
+    return nullptr;
+  }
+  return make_held(fn->cdata, object, offsets, mask);
+}
+
+void held_dealloc(PyObject* self) {
+  auto* h = reinterpret_cast<Held*>(self);
+  std::destroy_at(&h->node);
+  Py_XDECREF(h->object);
+  Py_DECREF(h->offsets);
+  Py_DECREF(h->mask);
+  PyObject_Free(self);
+}
+
+}  // namespace
+
+PyObject* gradfx_native::held(const NodePtr& node, PyObject* offsets, PyObject* mask) {
+  return make_held(node, nullptr, offsets, mask);
+}
+
+namespace {
 
 template <int N, typename F>
 PyObject* call(F f, PyObject* const* args, Py_ssize_t nargs, const char* usage) {
@@ -158,10 +307,7 @@ PyObject* offsets_fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return call<2>(offsets, args, nargs, "offsets(node, raw saved variables)");
 }
 PyObject* saved_fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return call<3>(gradfx_native::saved, args, nargs, "saved(node, (offsets, expected), sizes)");
-}
-PyObject* reset_fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return call<2>(reset, args, nargs, "reset(node, offsets)");
+  return call<3>(saved_tuple, args, nargs, "saved(node, (offsets, expected), sizes)");
 }
 
 #define GRADFX_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&f))
@@ -169,14 +315,22 @@ PyMethodDef offsets_def = {"offsets", GRADFX_FASTCALL(offsets_fastcall), METH_FA
                            "where a builtin node's saved variables lie in it (byte offsets), or None"};
 PyMethodDef saved_def = {"saved", GRADFX_FASTCALL(saved_fastcall), METH_FASTCALL,
                          "a builtin node's saved tensors checked and unpacked (pass 1), or None"};
-PyMethodDef reset_def = {"reset", GRADFX_FASTCALL(reset_fastcall), METH_FASTCALL,
-                         "a builtin node's saved variables released, as the engine releases them"};
 #undef GRADFX_FASTCALL
 
 }  // namespace
 
 void add_saved(py::module_& m) {
-  for (PyMethodDef* def : {&offsets_def, &saved_def, &reset_def}) {
+  for (PyMethodDef* def : {&offsets_def, &saved_def}) {
     m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_New(def, nullptr));
   }
+  if (PyType_Ready(&held_type) < 0) {
+    throw py::error_already_set();
+  }
+  // Nothing of it is a graph input: the node keeps its tensors (saved.py's owners' ``tensors``).
+  if (PyDict_SetItemString(held_type.tp_dict, "tensors", py::tuple().ptr()) < 0) {
+    throw py::error_already_set();
+  }
+  PyType_Modified(&held_type);
+  Py_INCREF(&held_type);
+  m.attr("HeldByNode") = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(&held_type));
 }

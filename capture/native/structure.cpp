@@ -9,7 +9,10 @@
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <unordered_set>
+#include <algorithm>
+#include <typeindex>
+#include <typeinfo>
+#include <memory>
 #include <vector>
 
 #include "checks.h"
@@ -17,21 +20,34 @@
 namespace py = pybind11;
 using torch::autograd::Node;
 
+struct gradfx_native::Structure {
+  struct Link {
+    int32_t a, b;
+    bool strict;
+  };
+  py::object keep;  // the plan's tuple: it owns the types
+  std::vector<std::pair<int32_t, int32_t>> roots;  // (node index, output_nr)
+  std::vector<PyObject*> types;
+  std::vector<std::type_index> cpp_types;  // per node, where the plan was parsed with its nodes
+  std::vector<int32_t> edge_begin;  // per node, where its edges start in ``edges``; n + 1 entries
+  std::vector<std::pair<int32_t, int32_t>> edges;  // (node index, input_nr); index -1: undefined
+  std::vector<Link> chain;
+};
+
 namespace {
 
-// A new reference to the node's Python object (the one next_functions hands out), or
-// nullptr with no error set where its type is not ``expected``.
-PyObject* object_of(const decltype(torch::autograd::Edge::function)& fn, PyObject* expected) {
-  PyObject* obj = torch::autograd::functionToPyObject(fn);
-  if (obj == nullptr) {
-    PyErr_Clear();
-    return nullptr;
+int32_t small(PyObject* number) {
+  const long value = PyLong_AsLong(number);
+  return value < 0 || value > (1L << 30) ? -2 : static_cast<int32_t>(value);
+}
+
+bool pair(PyObject* t, std::pair<int32_t, int32_t>* out) {
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2 || !PyLong_Check(PyTuple_GET_ITEM(t, 0)) ||
+      !PyLong_Check(PyTuple_GET_ITEM(t, 1))) {
+    return false;
   }
-  if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != expected) {
-    Py_DECREF(obj);
-    return nullptr;
-  }
-  return obj;
+  *out = {small(PyTuple_GET_ITEM(t, 0)), small(PyTuple_GET_ITEM(t, 1))};
+  return out->first >= 0 && out->second >= 0;
 }
 
 }  // namespace
@@ -42,136 +58,249 @@ PyObject* object_of(const decltype(torch::autograd::Edge::function)& fn, PyObjec
 //   edges  per node, per next edge None (undefined) or (node index, input_nr), an index
 //          one past the nodes seen so far being a first sighting (discovery order);
 //   chain  (a, b, strict) pairs: seq[a] < seq[b] (strict) or <= (ties keep discovery order).
-// Returns (nodes, sequence numbers) as lists, or None.  ``tensors``: a PySequence_Fast.
-
-PyObject* gradfx_native::structure(PyObject* tensors, PyObject* plan) {
+gradfx_native::Structure* gradfx_native::parse_structure(PyObject* plan, PyObject* nodes) {
+  auto bad = [] {
+    PyErr_SetString(PyExc_ValueError, "a structure plan is (roots, types, edges, chain) as fast_walk builds it");
+    return nullptr;
+  };
+  if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 4) {
+    return bad();
+  }
   PyObject* roots = PyTuple_GET_ITEM(plan, 0);
   PyObject* types = PyTuple_GET_ITEM(plan, 1);
   PyObject* edges = PyTuple_GET_ITEM(plan, 2);
   PyObject* chain = PyTuple_GET_ITEM(plan, 3);
-  const Py_ssize_t n = PyTuple_GET_SIZE(types);
-  if (PySequence_Fast_GET_SIZE(tensors) != PyTuple_GET_SIZE(roots)) {
-    Py_RETURN_NONE;
+  if (!PyTuple_Check(roots) || !PyTuple_Check(types) || !PyTuple_Check(edges) || !PyTuple_Check(chain) ||
+      PyTuple_GET_SIZE(edges) != PyTuple_GET_SIZE(types)) {
+    return bad();
   }
-  std::vector<Node*> nodes;
-  nodes.reserve(n);
-  std::unordered_set<Node*> seen;
-  seen.reserve(2 * n);
-  py::list objects(n);  // filled in discovery order; owns the references
-  auto add = [&](Node* node, PyObject* obj) -> bool {
-    if (!seen.insert(node).second) {
-      Py_DECREF(obj);  // a predicted new node that is an earlier one
+  auto out = std::make_unique<Structure>();
+  out->keep = py::reinterpret_borrow<py::object>(plan);
+  const Py_ssize_t n = PyTuple_GET_SIZE(types);
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(roots); ++k) {
+    std::pair<int32_t, int32_t> root;
+    if (!pair(PyTuple_GET_ITEM(roots, k), &root) || root.first >= n) {
+      return bad();
+    }
+    out->roots.push_back(root);
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out->types.push_back(PyTuple_GET_ITEM(types, i));
+    out->edge_begin.push_back(static_cast<int32_t>(out->edges.size()));
+    PyObject* row = PyTuple_GET_ITEM(edges, i);
+    if (!PyTuple_Check(row)) {
+      return bad();
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(row); ++k) {
+      std::pair<int32_t, int32_t> edge{-1, 0};
+      PyObject* e = PyTuple_GET_ITEM(row, k);
+      if (e != Py_None && (!pair(e, &edge) || edge.first >= n)) {
+        return bad();
+      }
+      out->edges.push_back(edge);
+    }
+  }
+  out->edge_begin.push_back(static_cast<int32_t>(out->edges.size()));
+  if (nodes != nullptr) {
+    if (!PyList_Check(nodes) || PyList_GET_SIZE(nodes) != n) {
+      return bad();
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* obj = PyList_GET_ITEM(nodes, i);
+      if (!torch::autograd::THPCppFunction_Check(obj) || reinterpret_cast<PyObject*>(Py_TYPE(obj)) != out->types[i]) {
+        return bad();  // builtin nodes only: a custom Function's node is a PyNode of every class
+      }
+      Node* node = reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata.get();
+      out->cpp_types.emplace_back(typeid(*node));
+    }
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(chain); ++k) {
+    PyObject* link = PyTuple_GET_ITEM(chain, k);
+    if (!PyTuple_Check(link) || PyTuple_GET_SIZE(link) != 3 || !PyLong_Check(PyTuple_GET_ITEM(link, 0)) ||
+        !PyLong_Check(PyTuple_GET_ITEM(link, 1))) {
+      return bad();
+    }
+    const int32_t a = small(PyTuple_GET_ITEM(link, 0)), b = small(PyTuple_GET_ITEM(link, 1));
+    if (a < 0 || b < 0 || a >= n || b >= n) {
+      return bad();
+    }
+    out->chain.push_back({a, b, PyTuple_GET_ITEM(link, 2) == Py_True});
+  }
+  return out.release();
+}
+
+void gradfx_native::free_structure(Structure* plan) {
+  delete plan;
+}
+
+int gradfx_native::structure(PyObject* tensors, const Structure& plan, bool by_type, std::vector<NodePtr>* nodes) {
+  const size_t n = plan.types.size();
+  if (static_cast<size_t>(PySequence_Fast_GET_SIZE(tensors)) != plan.roots.size() ||
+      (by_type && plan.cpp_types.size() != n)) {
+    return 0;
+  }
+  nodes->clear();
+  nodes->reserve(n);
+  // A node joins in discovery order; with by_type, only of the plan's C++ type.
+  auto join = [&](const NodePtr& fn) {
+    if (by_type && std::type_index(typeid(*fn)) != plan.cpp_types[nodes->size()]) {
       return false;
     }
-    PyList_SET_ITEM(objects.ptr(), static_cast<Py_ssize_t>(nodes.size()), obj);
-    nodes.push_back(node);
+    nodes->push_back(fn);
     return true;
   };
-
   PyObject** items = PySequence_Fast_ITEMS(tensors);
-  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(roots); ++k) {
+  for (size_t k = 0; k < plan.roots.size(); ++k) {
     PyObject* t = items[k];
     if (!THPVariable_CheckExact(t)) {
-      Py_RETURN_NONE;  // a subclass's grad_fn may run its own code: the generic walk reads it
+      return 0;  // a subclass's grad_fn may run its own code: the generic walk reads it
     }
     const at::Tensor& tensor = THPVariable_Unpack(t);
-    PyObject* root = PyTuple_GET_ITEM(roots, k);
-    const long j = PyLong_AsLong(PyTuple_GET_ITEM(root, 0));
+    const auto [j, nr] = plan.roots[k];
     const auto& fn = tensor.grad_fn();
-    if (!fn || static_cast<long>(tensor.output_nr()) != PyLong_AsLong(PyTuple_GET_ITEM(root, 1))) {
-      Py_RETURN_NONE;
+    if (!fn || static_cast<int32_t>(tensor.output_nr()) != nr) {
+      return 0;
     }
-    if (j < static_cast<long>(nodes.size())) {
-      if (fn.get() != nodes[j]) {
-        Py_RETURN_NONE;
+    if (static_cast<size_t>(j) < nodes->size()) {
+      if (fn != (*nodes)[j]) {
+        return 0;
       }
       continue;
     }
-    if (j != static_cast<long>(nodes.size())) {
-      Py_RETURN_NONE;
-    }
-    PyObject* obj = object_of(fn, PyTuple_GET_ITEM(types, j));
-    if (obj == nullptr || !add(fn.get(), obj)) {
-      Py_RETURN_NONE;
+    if (static_cast<size_t>(j) != nodes->size() || !join(fn)) {
+      return 0;
     }
   }
-
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (i >= static_cast<Py_ssize_t>(nodes.size())) {
-      Py_RETURN_NONE;  // a plan whose discovery order skips a node
+  for (size_t i = 0; i < n; ++i) {
+    if (i >= nodes->size()) {
+      return 0;  // a plan whose discovery order skips a node
     }
-    PyObject* expected = PyTuple_GET_ITEM(edges, i);
-    const auto& next = nodes[i]->next_edges();
-    if (static_cast<Py_ssize_t>(next.size()) != PyTuple_GET_SIZE(expected)) {
-      Py_RETURN_NONE;
+    const auto& next = (*nodes)[i]->next_edges();
+    const int32_t begin = plan.edge_begin[i];
+    if (next.size() != static_cast<size_t>(plan.edge_begin[i + 1] - begin)) {
+      return 0;
     }
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(expected); ++k) {
-      PyObject* e = PyTuple_GET_ITEM(expected, k);
+    for (size_t k = 0; k < next.size(); ++k) {
+      const auto [j, nr] = plan.edges[begin + k];
       const auto& edge = next[k];
-      if (e == Py_None) {
+      if (j < 0) {
         if (edge.function) {
-          Py_RETURN_NONE;
+          return 0;
         }
         continue;
       }
-      const long j = PyLong_AsLong(PyTuple_GET_ITEM(e, 0));
-      if (!edge.function || static_cast<long>(edge.input_nr) != PyLong_AsLong(PyTuple_GET_ITEM(e, 1))) {
-        Py_RETURN_NONE;
+      if (!edge.function || static_cast<int32_t>(edge.input_nr) != nr) {
+        return 0;
       }
-      if (j < static_cast<long>(nodes.size())) {
-        if (edge.function.get() != nodes[j]) {
-          Py_RETURN_NONE;
+      if (static_cast<size_t>(j) < nodes->size()) {
+        if (edge.function != (*nodes)[j]) {
+          return 0;
         }
         continue;
       }
-      if (j != static_cast<long>(nodes.size()) || j >= n) {
-        Py_RETURN_NONE;
-      }
-      PyObject* obj = object_of(edge.function, PyTuple_GET_ITEM(types, j));
-      if (obj == nullptr || !add(edge.function.get(), obj)) {
-        Py_RETURN_NONE;
+      if (static_cast<size_t>(j) != nodes->size() || !join(edge.function)) {
+        return 0;
       }
     }
   }
-  if (static_cast<Py_ssize_t>(nodes.size()) != n) {
-    Py_RETURN_NONE;
+  if (nodes->size() != n) {
+    return 0;
   }
+  // No predicted-new node may be an earlier one.
+  std::vector<const void*> distinct(n);
+  for (size_t i = 0; i < n; ++i) {
+    distinct[i] = (*nodes)[i].get();
+  }
+  std::sort(distinct.begin(), distinct.end());
+  if (std::adjacent_find(distinct.begin(), distinct.end()) != distinct.end()) {
+    return 0;
+  }
+  for (const auto& link : plan.chain) {
+    const uint64_t a = (*nodes)[link.a]->sequence_nr(), b = (*nodes)[link.b]->sequence_nr();
+    if (link.strict ? !(a < b) : !(a <= b)) {
+      return 0;
+    }
+  }
+  return 1;
+}
 
-  std::vector<uint64_t> seq(n);
-  py::list numbers(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    seq[i] = nodes[i]->sequence_nr();
-    PyObject* number = PyLong_FromUnsignedLongLong(seq[i]);
+PyObject* gradfx_native::sequence_numbers(const std::vector<NodePtr>& nodes) {
+  py::list numbers(nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    PyObject* number = PyLong_FromUnsignedLongLong(nodes[i]->sequence_nr());
     if (number == nullptr) {
       return nullptr;
     }
     PyList_SET_ITEM(numbers.ptr(), i, number);
   }
-  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(chain); ++k) {
-    PyObject* link = PyTuple_GET_ITEM(chain, k);
-    const uint64_t a = seq[PyLong_AsLong(PyTuple_GET_ITEM(link, 0))];
-    const uint64_t b = seq[PyLong_AsLong(PyTuple_GET_ITEM(link, 1))];
-    if (PyTuple_GET_ITEM(link, 2) == Py_True ? !(a < b) : !(a <= b)) {
-      Py_RETURN_NONE;
-    }
-  }
-  return PyTuple_Pack(2, objects.ptr(), numbers.ptr());
+  return numbers.release().ptr();
+}
+
+PyObject* gradfx_native::type_of(const Structure& plan, size_t i) {
+  return plan.types[i];
 }
 
 namespace {
 
-PyObject* structure_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 4) {
-    PyErr_SetString(PyExc_TypeError, "expected 2 arguments: tensors, plan (roots, types, edges, chain)");
+// The Python lines' form: (node objects, sequence numbers) as lists, or None.
+PyObject* structure_objects(PyObject* tensors, const gradfx_native::Structure& plan) {
+  std::vector<gradfx_native::NodePtr> nodes;
+  if (gradfx_native::structure(tensors, plan, false, &nodes) != 1) {
+    Py_RETURN_NONE;
+  }
+  py::list objects(nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    PyObject* obj = torch::autograd::functionToPyObject(nodes[i]);
+    if (obj == nullptr) {
+      return nullptr;
+    }
+    PyList_SET_ITEM(objects.ptr(), i, obj);
+    if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != gradfx_native::type_of(plan, i)) {
+      Py_RETURN_NONE;
+    }
+  }
+  PyObject* numbers = gradfx_native::sequence_numbers(nodes);
+  if (numbers == nullptr) {
     return nullptr;
   }
+  PyObject* result = PyTuple_Pack(2, objects.ptr(), numbers);
+  Py_DECREF(numbers);
+  return result;
+}
+
+}  // namespace
+
+namespace {
+
+const char* const kStructure = "gradfx structure plan";
+
+PyObject* compile_structure(PyObject* /*self*/, PyObject* plan) {
+  gradfx_native::Structure* parsed = gradfx_native::parse_structure(plan, nullptr);
+  if (parsed == nullptr) {
+    return nullptr;
+  }
+  PyObject* capsule = PyCapsule_New(parsed, kStructure, [](PyObject* c) {
+    gradfx_native::free_structure(static_cast<gradfx_native::Structure*>(PyCapsule_GetPointer(c, kStructure)));
+  });
+  if (capsule == nullptr) {
+    gradfx_native::free_structure(parsed);
+  }
+  return capsule;
+}
+
+PyObject* structure_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyCapsule_IsValid(args[1], kStructure)) {
+    PyErr_SetString(PyExc_TypeError, "structure(tensors, plan): plan from compile_structure");
+    return nullptr;
+  }
+  const auto* plan = static_cast<gradfx_native::Structure*>(PyCapsule_GetPointer(args[1], kStructure));
   PyObject* tensors = PySequence_Fast(args[0], "tensors must be a sequence");
   if (tensors == nullptr) {
     return nullptr;
   }
   PyObject* result = nullptr;
   try {
-    result = gradfx_native::structure(tensors, args[1]);
+    result = structure_objects(tensors, *plan);
   } catch (const std::exception& err) {
     PyErr_SetString(PyExc_RuntimeError, err.what());
   }
@@ -179,6 +308,8 @@ PyObject* structure_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize
   return result;
 }
 
+PyMethodDef compile_def = {"compile_structure", &compile_structure, METH_O,
+                           "a structure plan (roots, types, edges, chain) parsed once, for structure()"};
 PyMethodDef structure_def = {
     "structure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&structure_fastcall)), METH_FASTCALL,
     "the walker's roots, types, edges and sequence order checked: (nodes, sequence numbers) or None"};
@@ -186,5 +317,6 @@ PyMethodDef structure_def = {
 }  // namespace
 
 void add_structure(py::module_& m) {
+  m.attr("compile_structure") = py::reinterpret_steal<py::object>(PyCFunction_New(&compile_def, nullptr));
   m.attr("structure") = py::reinterpret_steal<py::object>(PyCFunction_New(&structure_def, nullptr));
 }

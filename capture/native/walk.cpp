@@ -14,6 +14,7 @@
 #include <torch/csrc/Layout.h>
 
 #include <memory>
+#include <vector>
 
 #include "checks.h"
 
@@ -43,78 +44,140 @@ Node* node_of(PyObject* object) {
   return nullptr;
 }
 
-bool append_int(PyObject* list, int64_t value) {
-  PyObject* number = PyLong_FromLongLong(value);
-  if (number == nullptr) {
-    return false;
-  }
-  int failed = PyList_Append(list, number);
-  Py_DECREF(number);
-  return failed == 0;
+// The Python-facing form of a check: the tuple parsed, the check run, its sizes appended.
+bool appended(PyObject* sizes, const std::vector<int64_t>& found, bool ok) {
+  return ok && gradfx_native::extend(sizes, found);
 }
 
 }  // namespace
 
-// Python's checks of emit_metas: as many inputs, each of that rank, dtype and device;
-// then every shape appended to ``sizes``.  ``expected``: per input (ndim, dtype, device).
-bool gradfx_native::metas(PyObject* object, PyObject* expected, PyObject* sizes) {
-  Node* node = node_of(object);
-  if (node == nullptr || !PyTuple_Check(expected) || !PyList_Check(sizes) ||
-      node->num_inputs() != static_cast<size_t>(PyTuple_GET_SIZE(expected))) {
-    return false;
-  }
-  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(expected); ++k) {
-    const auto& meta = node->input_metadata(k);
-    if (meta.was_default_constructed() || meta.is_nested_tensor() || meta.is_tensor_subclass()) {
-      return false;  // shapes Python reads otherwise: the generic walk decides
-    }
-    PyObject* entry = PyTuple_GET_ITEM(expected, k);
-    PyObject* dtype = PyTuple_GET_ITEM(entry, 1);
-    PyObject* device = PyTuple_GET_ITEM(entry, 2);
-    if (!THPDtype_Check(dtype) || !THPDevice_Check(device) ||
-        reinterpret_cast<THPDtype*>(dtype)->scalar_type != meta.dtype().toScalarType() ||
-        reinterpret_cast<THPDevice*>(device)->device != meta.device()) {
+bool gradfx_native::extend(PyObject* list, const std::vector<int64_t>& sizes) {
+  for (int64_t size : sizes) {
+    PyObject* number = PyLong_FromLongLong(size);
+    if (number == nullptr) {
       return false;
     }
-    auto shape = meta.shape_as_dim_vector();
-    if (static_cast<long long>(shape.size()) != PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0))) {
+    const int failed = PyList_Append(list, number);
+    Py_DECREF(number);
+    if (failed != 0) {
       return false;
-    }
-    for (const auto& size : shape) {
-      auto value = size.maybe_as_int();
-      if (!value.has_value() || !append_int(sizes, *value)) {
-        return false;
-      }
     }
   }
   return true;
 }
 
-// AccumulateKind.check's reads of a leaf: the node's variable, exactly of the expected
-// type, with that requires_grad and grad_dtype, then emit_tensor's checks.  ``expected``:
-// (emit_tensor's tuple, requires_grad, grad_dtype or None).  The leaf, or None.
-PyObject* gradfx_native::leaf(PyObject* object, PyObject* expected, PyObject* sizes) {
-  if (!torch::autograd::THPCppFunction_Check(object) || !PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 3) {
-    Py_RETURN_NONE;
+bool gradfx_native::parse_tensor(PyObject* expected, TensorSpec* out) {
+  if (!PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 6) {
+    return false;
   }
-  auto* node = dynamic_cast<torch::autograd::AccumulateGrad*>(node_of(object));
+  PyObject* dtype = PyTuple_GET_ITEM(expected, 2);
+  PyObject* layout = PyTuple_GET_ITEM(expected, 3);
+  PyObject* device = PyTuple_GET_ITEM(expected, 4);
+  if (!PyType_Check(PyTuple_GET_ITEM(expected, 0)) || !PyLong_Check(PyTuple_GET_ITEM(expected, 1)) ||
+      !THPDtype_Check(dtype) || !THPLayout_Check(layout) || !THPDevice_Check(device)) {
+    return false;
+  }
+  out->type = PyTuple_GET_ITEM(expected, 0);
+  out->ndim = PyLong_AsLongLong(PyTuple_GET_ITEM(expected, 1));
+  out->dtype = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  out->layout = reinterpret_cast<THPLayout*>(layout)->layout;
+  out->device = reinterpret_cast<THPDevice*>(device)->device;
+  out->contiguous = PyTuple_GET_ITEM(expected, 5) == Py_True;
+  return true;
+}
+
+bool gradfx_native::parse_metas(PyObject* expected, std::vector<MetaSpec>* out) {
+  if (!PyTuple_Check(expected)) {
+    return false;
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(expected); ++k) {
+    PyObject* entry = PyTuple_GET_ITEM(expected, k);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 || !PyLong_Check(PyTuple_GET_ITEM(entry, 0)) ||
+        !THPDtype_Check(PyTuple_GET_ITEM(entry, 1)) || !THPDevice_Check(PyTuple_GET_ITEM(entry, 2))) {
+      return false;
+    }
+    MetaSpec spec;
+    spec.ndim = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0));
+    spec.dtype = reinterpret_cast<THPDtype*>(PyTuple_GET_ITEM(entry, 1))->scalar_type;
+    spec.device = reinterpret_cast<THPDevice*>(PyTuple_GET_ITEM(entry, 2))->device;
+    out->push_back(spec);
+  }
+  return true;
+}
+
+bool gradfx_native::parse_leaf(PyObject* expected, LeafSpec* out) {
+  if (!PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 3 ||
+      !parse_tensor(PyTuple_GET_ITEM(expected, 0), &out->tensor)) {
+    return false;
+  }
+  out->requires_grad = PyTuple_GET_ITEM(expected, 1) == Py_True;
+  PyObject* grad_dtype = PyTuple_GET_ITEM(expected, 2);
+  out->has_grad_dtype = grad_dtype != Py_None;
+  if (out->has_grad_dtype) {
+    if (!THPDtype_Check(grad_dtype)) {
+      return false;
+    }
+    out->grad_dtype = reinterpret_cast<THPDtype*>(grad_dtype)->scalar_type;
+  }
+  return true;
+}
+
+// Python's checks of emit_metas: as many inputs, each of that rank, dtype and device;
+// then every shape appended.
+bool gradfx_native::metas(Node* node, const MetaSpec* specs, size_t count, std::vector<int64_t>* sizes) {
+  if (node == nullptr || node->num_inputs() != count) {
+    return false;
+  }
+  for (size_t k = 0; k < count; ++k) {
+    const auto& meta = node->input_metadata(k);
+    if (meta.was_default_constructed() || meta.is_nested_tensor() || meta.is_tensor_subclass()) {
+      return false;  // shapes Python reads otherwise: the generic walk decides
+    }
+    if (specs[k].dtype != meta.dtype().toScalarType() || specs[k].device != meta.device()) {
+      return false;
+    }
+    auto shape = meta.shape_as_dim_vector();
+    if (static_cast<int64_t>(shape.size()) != specs[k].ndim) {
+      return false;
+    }
+    for (const auto& size : shape) {
+      auto value = size.maybe_as_int();
+      if (!value.has_value()) {
+        return false;
+      }
+      sizes->push_back(*value);
+    }
+  }
+  return true;
+}
+
+static bool metas_of_tuple(PyObject* object, PyObject* expected, PyObject* sizes) {
+  std::vector<gradfx_native::MetaSpec> specs;
+  std::vector<int64_t> found;
+  if (!PyList_Check(sizes) || !gradfx_native::parse_metas(expected, &specs)) {
+    return false;
+  }
+  return appended(sizes, found, gradfx_native::metas(node_of(object), specs.data(), specs.size(), &found));
+}
+
+// AccumulateKind.check's reads of a leaf: the node's variable, exactly of the expected
+// type, with that requires_grad and grad_dtype, then emit_tensor's checks.
+PyObject* gradfx_native::leaf(Node* any, const LeafSpec& spec, std::vector<int64_t>* sizes) {
+  auto* node = dynamic_cast<torch::autograd::AccumulateGrad*>(any);
   if (node == nullptr || !node->variable.defined()) {
     Py_RETURN_NONE;
   }
   const at::Tensor& variable = node->variable;
-  PyObject* grad_dtype = PyTuple_GET_ITEM(expected, 2);
   const auto dtype = variable.grad_dtype();
-  if (variable.requires_grad() != (PyTuple_GET_ITEM(expected, 1) == Py_True) ||
-      (grad_dtype == Py_None ? dtype.has_value()
-                             : !THPDtype_Check(grad_dtype) || !dtype.has_value() ||
-                                   reinterpret_cast<THPDtype*>(grad_dtype)->scalar_type != *dtype)) {
+  if (variable.requires_grad() != spec.requires_grad || dtype.has_value() != spec.has_grad_dtype ||
+      (dtype.has_value() && *dtype != spec.grad_dtype)) {
     Py_RETURN_NONE;
   }
   PyObject* obj = THPVariable_Wrap(variable);
   if (obj == nullptr) {
     return nullptr;
   }
-  if (!gradfx_native::tensor(obj, PyTuple_GET_ITEM(expected, 0), sizes)) {
+  if (!gradfx_native::tensor(obj, spec.tensor, sizes)) {
     Py_DECREF(obj);
     if (PyErr_Occurred()) {
       return nullptr;
@@ -122,6 +185,20 @@ PyObject* gradfx_native::leaf(PyObject* object, PyObject* expected, PyObject* si
     Py_RETURN_NONE;
   }
   return obj;
+}
+
+static PyObject* leaf_of_tuple(PyObject* object, PyObject* expected, PyObject* sizes) {
+  gradfx_native::LeafSpec spec;
+  if (!torch::autograd::THPCppFunction_Check(object) || !PyList_Check(sizes) || !gradfx_native::parse_leaf(expected, &spec)) {
+    Py_RETURN_NONE;
+  }
+  std::vector<int64_t> found;
+  PyObject* v = gradfx_native::leaf(node_of(object), spec, &found);
+  if (v != nullptr && v != Py_None && !gradfx_native::extend(sizes, found)) {
+    Py_DECREF(v);
+    return nullptr;
+  }
+  return v;
 }
 
 namespace {
@@ -132,11 +209,24 @@ PyObject* leaf_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t na
     return nullptr;
   }
   try {
-    return gradfx_native::leaf(args[0], args[1], args[2]);
+    return leaf_of_tuple(args[0], args[1], args[2]);
   } catch (const std::exception& err) {
     PyErr_SetString(PyExc_RuntimeError, err.what());
     return nullptr;
   }
+}
+
+bool tensor_tuple(PyObject* obj, PyObject* expected, PyObject* sizes) {
+  gradfx_native::TensorSpec spec;
+  std::vector<int64_t> found;
+  if (!PyList_Check(sizes) || !gradfx_native::parse_tensor(expected, &spec)) {
+    return false;
+  }
+  return appended(sizes, found, gradfx_native::tensor(obj, spec, &found));
+}
+
+bool metas_tuple(PyObject* obj, PyObject* expected, PyObject* sizes) {
+  return metas_of_tuple(obj, expected, sizes);
 }
 
 // Called with three positional arguments, without pybind11's argument conversion: these
@@ -160,9 +250,9 @@ PyObject* fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) 
   return PyBool_FromLong(ok);
 }
 
-PyMethodDef metas_def = {"metas", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<gradfx_native::metas>)),
+PyMethodDef metas_def = {"metas", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<metas_tuple>)),
                          METH_FASTCALL, "emit_metas' checks of a node's input metadata; its shapes appended to sizes"};
-PyMethodDef tensor_def = {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<gradfx_native::tensor>)),
+PyMethodDef tensor_def = {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<tensor_tuple>)),
                           METH_FASTCALL, "emit_tensor's checks of a tensor; its sizes (strides) appended to sizes"};
 
 PyMethodDef leaf_def = {"leaf", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&leaf_fastcall)),
@@ -172,38 +262,25 @@ PyMethodDef leaf_def = {"leaf", reinterpret_cast<PyCFunction>(reinterpret_cast<v
 
 // Python's checks of emit_tensor: exactly that type, rank, dtype, layout, device and
 // contiguity; then its sizes (and strides where it is not contiguous) appended.
-// ``expected``: (type, ndim, dtype, layout, device, contiguous).
-bool gradfx_native::tensor(PyObject* obj, PyObject* expected, PyObject* sizes) {
-  if (!PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 6 || !PyList_Check(sizes) ||
-      reinterpret_cast<PyObject*>(Py_TYPE(obj)) != PyTuple_GET_ITEM(expected, 0) || !THPVariable_Check(obj)) {
+bool gradfx_native::tensor(PyObject* obj, const TensorSpec& spec, std::vector<int64_t>* sizes) {
+  if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != spec.type || !THPVariable_Check(obj)) {
     return false;
   }
   const at::Tensor& t = THPVariable_Unpack(obj);
-  PyObject* dtype = PyTuple_GET_ITEM(expected, 2);
-  PyObject* layout = PyTuple_GET_ITEM(expected, 3);
-  PyObject* device = PyTuple_GET_ITEM(expected, 4);
-  if (!THPDtype_Check(dtype) || !THPLayout_Check(layout) || !THPDevice_Check(device) ||
-      t.layout() != at::kStrided || t.is_nested() ||
-      t.dim() != PyLong_AsLongLong(PyTuple_GET_ITEM(expected, 1)) ||
-      reinterpret_cast<THPDtype*>(dtype)->scalar_type != t.scalar_type() ||
-      reinterpret_cast<THPLayout*>(layout)->layout != t.layout() ||
-      reinterpret_cast<THPDevice*>(device)->device != t.device()) {
+  if (t.layout() != at::kStrided || t.is_nested() || t.dim() != spec.ndim || spec.dtype != t.scalar_type() ||
+      spec.layout != t.layout() || spec.device != t.device()) {
     return false;
   }
-  bool contiguous = t.is_contiguous();
-  if (contiguous != (PyTuple_GET_ITEM(expected, 5) == Py_True)) {
+  const bool contiguous = t.is_contiguous();
+  if (contiguous != spec.contiguous) {
     return false;
   }
   for (auto size : t.sizes()) {
-    if (!append_int(sizes, size)) {
-      return false;
-    }
+    sizes->push_back(size);
   }
   if (!contiguous) {
     for (auto stride : t.strides()) {
-      if (!append_int(sizes, stride)) {
-        return false;
-      }
+      sizes->push_back(stride);
     }
   }
   return true;

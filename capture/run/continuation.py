@@ -24,7 +24,7 @@ import weakref
 from torch.autograd.function import BackwardCFunction
 
 from ..graph.kinds import ACCUMULATE, type_info
-from ..graph.saved import HeldByNode, SavedTensors
+from ..graph.saved import SavedTensors, left_to_node
 from ..trace import engine_loop
 from . import hook_ops, runtime_ops
 
@@ -143,7 +143,7 @@ class _Runner:
         if self.keep_graph:
             return
         owner = self.call.owned[i]
-        if isinstance(owner, (SavedTensors, HeldByNode)):
+        if isinstance(owner, SavedTensors) or left_to_node(owner):
             owner.release()
             return
         raw = type_info(type(node)).raw_saved

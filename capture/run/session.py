@@ -32,7 +32,7 @@ from ..view.captured_graph import CapturedGraph
 from ..errors import FallbackWarning, Unsupported, _Fallback
 from .runtime_ops import Diverged, WrongGradient
 from ..stacklevel import user_stacklevel
-from ..graph.saved import ForeignHooks, HeldByNode
+from ..graph.saved import ForeignHooks, left_to_node
 from ..view import explain
 from ..graph.kinds import OPAQUE
 from ..graph.walk import BackwardCall, walk_backward
@@ -73,7 +73,7 @@ class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
     __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
-                 "verified", "failed", "output_specs", "frontiers", "stopped", "kept", "key")
+                 "verified", "failed", "output_specs", "frontiers", "stopped", "kept", "key", "node_inputs")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
                  guard, size_positions=(), failed=None, output_specs=None, frontiers=()):
@@ -101,6 +101,9 @@ class CompiledBackward:
         self.stopped: set = set()  # frontiers where a backward stopped (logged once each)
         self.kept = None  # where frontiers: continuation.Positions (set by the capture)
         self.key = None  # its cache key (set by the capture)
+        # (input position, node index) of the node objects the graph reads: a one-call
+        # walk leaves the others None (set by the capture).
+        self.node_inputs = ()
 
 
 class _Config:
@@ -233,9 +236,10 @@ class Session:
         key = cache.key(structure)
         entry = cache.lookup(key, call.sizes)
         if entry is None:
-            if any(type(o) is HeldByNode for o in call.owned):
-                # The walker left the saved tensors to their nodes; tracing needs gradfx's
-                # own owners (fakes are substituted through them): the generic walk takes them.
+            if type(call.nodes) is not list or any(left_to_node(o) for o in call.owned):
+                # The walker left the saved tensors to their nodes, or made the nodes' objects
+                # only for what asks (a one-call walk); tracing needs gradfx's own owners
+                # (fakes are substituted through them) and every node: the generic walk.
                 call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph,
                                      take_functions=not self._plain_graph)
             entry = self._capture(call, key, tensors, () if accumulate_grad else inputs)
@@ -301,6 +305,8 @@ class Session:
         if made.frontiers:
             entry.kept = continuation.Positions(call, captured.graph_module.graph, len(made.size_positions),
                                                 release_after)
+        entry.node_inputs = _node_inputs(call, captured.graph_module.graph, len(made.size_positions),
+                                         everyone=bool(made.frontiers))
         if made.dynamic_positions:
             cache.dynamic_positions[structure] = made.dynamic_positions
         entry.key = structure
@@ -428,6 +434,10 @@ class Session:
 
     def _run(self, entry: CompiledBackward, call: BackwardCall, keep_graph: bool):
         inputs = call.inputs
+        if entry.node_inputs and type(call.nodes) is not list:  # a one-call walk's: made when asked for
+            nodes = call.nodes
+            for pos, i in entry.node_inputs:
+                inputs[pos] = nodes[i]
         # Where the graph may stop, the rest of the backward needs what the graph held.
         kept = continuation.Kept(inputs, entry.kept) if entry.frontiers else None
         if entry.size_positions:
@@ -446,7 +456,7 @@ class Session:
             # Where the graph may stop, the nodes run after it need theirs: a tensor left
             # to its node (HeldByNode) cannot be given back once released.
             late = entry.release_after
-            early = [i for i in held if i not in late and not (entry.frontiers and type(owned[i]) is HeldByNode)]
+            early = [i for i in held if i not in late and not (entry.frontiers and left_to_node(owned[i]))]
             for i in early:
                 owned[i].release()
         task = hook_ops.graph_task(call.executed_ids, keep_graph, call.outputs is None, _grad_inputs(call)) \
@@ -484,6 +494,14 @@ class Session:
                 if i not in released:
                     owned[i].release()
         return out
+
+
+def _node_inputs(call: BackwardCall, graph: fx.Graph, sizes: int, everyone: bool) -> tuple:
+    """(input position, node index) per node object among the graph's inputs that the graph
+    reads (``everyone``: all of them, for a continuation that may run any node)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][sizes:]
+    return tuple((pos, call.input_owner[pos]) for pos, (ph, kind) in enumerate(zip(placeholders, call.input_kinds))
+                 if kind == "node" and (everyone or ph.users))
 
 
 def _builds_inference_code(backend_fn) -> bool:
