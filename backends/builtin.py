@@ -14,7 +14,7 @@ from torch.fx.graph import _BoxedCodeGen
 from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
 from ..capture.run import counters
-from ..capture.run.runtime_ops import accumulate_grad, accumulate_grad_unchecked
+from ..capture.run.runtime_ops import accumulate_grad, unchecked_accumulator
 from ..reorder.memory import frees_inputs_early
 from . import bindings, register_backend, takes_plain_graph
 from .split import MIN_OPS, aten_work, partition, runner
@@ -32,7 +32,8 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     without it, the inputs live until the graph returns.
 
     The code runs on a private copy of the graph that accumulates with
-    ``accumulate_grad_unchecked``: this code is generated from the traced graph,
+    ``accumulate_grad_unchecked`` (in C++ where gradfx's compiled part is loaded): this
+    code is generated from the traced graph,
     so its gradients have their leaves' metadata by construction, and the check
     that other backends' code gets would only cost time on every backward.  The
     copy calls each aten overload's own C function rather than its Python
@@ -41,11 +42,12 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     could see ``__torch_function__`` disabled (``bindings``).
     """
     graph = copy.deepcopy(gm.graph)
-    for node in graph.find_nodes(op="call_function", target=accumulate_grad):
-        node.target = accumulate_grad_unchecked
     # A graph of aten ops and accumulations alone runs without __torch_function__ (as
     # eager's engine computes), so its ops may take torch's public bindings (bindings).
     plain = bindings.plain(graph)
+    accumulate = unchecked_accumulator()
+    for node in graph.find_nodes(op="call_function", target=accumulate_grad):
+        node.target = accumulate
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             fast = bindings.fastest(node) if plain else None

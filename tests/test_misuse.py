@@ -532,3 +532,29 @@ def test_layout_contract_and_reference_cycle_warnings_as_in_eager(warn_always):
         with gradfx.compiled_autograd():
             got = [_warnings_of(program) for _ in range(3)]
         assert got == expected
+
+
+@pytest.mark.parametrize("accumulator", ["compiled", "python"])
+@pytest.mark.parametrize("shape", [(1,), (2, 1, 3), (1, 1), (4, 3)])
+def test_first_gradient_takes_eagers_layout(shape, accumulator, monkeypatch):
+    """A sum's gradient is an expanded view (stride 0, also on size-1 dims): eager copies
+    it into the parameter's layout rather than steal it; a dense one it steals.  Either
+    way ``.grad`` has eager's strides and values, with both of gradfx's accumulators."""
+    from gradfx.capture import native
+    if accumulator == "python":
+        monkeypatch.setattr(native, "module", lambda: None)
+    elif native.wait() is None:
+        pytest.skip(f"the compiled part is not available: {native.reason()}")
+    programs = [lambda p: p.sum(), lambda p: (p * 2).sum(), lambda p: p.expand(4, *p.shape).sum(),
+                lambda p: (p.t() if p.dim() == 2 else p).square().sum()]
+    for program in programs:
+        gradfx.reset()
+        p = nn.Parameter(torch.randn(*shape))
+        program(p).backward()
+        expected = p.grad.stride(), p.grad.clone()
+        for _ in range(3):  # the capture, then cache hits
+            p.grad = None
+            with gradfx.compiled_autograd(strict=True):
+                program(p).backward()
+            assert (p.grad.stride(), p.grad.dtype) == (expected[0], expected[1].dtype)
+            assert torch.equal(p.grad, expected[1])

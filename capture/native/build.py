@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 
-SOURCES = ("module.cpp", "hidden.cpp", "walk.cpp", "structure.cpp", "saved.cpp", "program.cpp")
+SOURCES = ("module.cpp", "hidden.cpp", "walk.cpp", "structure.cpp", "saved.cpp", "program.cpp", "accumulate.cpp")
 HEADERS = ("checks.h",)
 
 

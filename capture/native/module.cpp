@@ -1,7 +1,8 @@
 // gradfx's compiled part, one extension: hidden.cpp (hidden state of builtin nodes), and
 // for the cache-hit walker walk.cpp (metadata, tensor and leaf reads), structure.cpp
 // (roots, edges, sequence order), saved.cpp (saved tensors read and released) and
-// program.cpp (a whole walk of builtin nodes and leaves in one call).
+// program.cpp (a whole walk of builtin nodes and leaves in one call); for the eager
+// backend's graphs accumulate.cpp (AccumulateGrad).
 #include <pybind11/pybind11.h>
 
 namespace py = pybind11;
@@ -11,6 +12,7 @@ void add_walk(py::module_& m);
 void add_structure(py::module_& m);
 void add_saved(py::module_& m);
 void add_program(py::module_& m);
+void add_accumulate(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gradfx's compiled part (capture/native)";
@@ -19,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   add_structure(m);
   add_saved(m);
   add_program(m);
+  add_accumulate(m);
 }

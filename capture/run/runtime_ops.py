@@ -7,6 +7,7 @@ keep them (``capture.trace.kinds`` says which kind each is).
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 
@@ -14,6 +15,7 @@ import torch
 from torch.autograd.variable import Variable
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from .. import native
 from ..graph import hooks
 from ..graph.saved import release_variables
 from . import hook_ops
@@ -24,14 +26,14 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
-    # AccumulateGrad's gradient layout contract: strides of non-size-1 dims match
-    # the parameter's (dense parameter) or the grad is contiguous (otherwise).
-    if grad.is_contiguous() and variable.is_contiguous():
-        return True  # same sizes, so the same strides
+    # AccumulateGrad's gradient layout contract, as eager checks it: for a dense
+    # parameter, the strides of non-size-1 dims match its own and no size-1 dim has
+    # stride 0 (an expanded view, e.g. a sum's gradient); otherwise a contiguous grad.
+    if variable.is_nested:
+        return False
     if _dense(variable):
-        vs = variable.stride()
-        for size, stride, vstride in zip(grad.shape, grad.stride(), vs):
-            if size != 1 and stride != vstride:
+        for size, stride, vstride in zip(grad.shape, grad.stride(), variable.stride()):
+            if (stride != vstride) if size != 1 else (stride == 0):
                 return False
         return True
     return grad.is_contiguous()
@@ -100,8 +102,7 @@ def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_st
             refs <= unshared_refs or (refs <= unshared_refs + calls and _call_adds_reference()))
         if grad.is_sparse:
             variable.grad = _sparse_first_grad(grad, unshared)
-        elif unshared and ((grad.is_contiguous() and variable.is_contiguous())  # the common case, inline
-                           or _obeys_layout_contract(grad, variable)):
+        elif unshared and _obeys_layout_contract(grad, variable):
             variable.grad = grad.detach()
         else:
             variable.grad = _clone_obey_contract(grad, variable)
@@ -111,6 +112,42 @@ def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_st
         old += grad
         if old.stride() != variable.stride():
             _check_layout(old, variable)
+
+
+def unchecked_accumulator():
+    """What the eager backend's graphs accumulate with: the compiled part's AccumulateGrad
+    (native/accumulate.cpp: eager's rules in C++, this module's function for every case
+    but the common one) where it is loaded, else :func:`accumulate_grad_unchecked`."""
+    module = native.module()
+    if module is None:
+        return accumulate_grad_unchecked
+    if not _native:
+        # From C, the reference gets the gradient with one reference more than from the
+        # graph's code (the graph's stack keeps its argument while C runs), and none for a
+        # frame evaluator: C's call copies its arguments into the new frame in any case.
+        module.set_accumulate_fallback((accumulate_grad_unchecked, (_UNSHARED_REFS + 1, 0)), _check_layout,
+                                       torch.nn.Parameter, _refs_in_local(_named(module.refcount, "refcount")))
+        _native.append(_named(module.accumulate_grad, "accumulate_grad_native"))
+    return _native[0]
+
+
+_native: list = []
+
+
+def _named(fn, name: str):
+    """A C function as fx's code can name it (a global of this module's name); the call
+    passes its arguments on untouched (no reference more)."""
+    named = functools.partial(fn)
+    named.__name__ = named.__qualname__ = name
+    named.__module__ = __name__
+    return named
+
+
+def _refs_in_local(refcount) -> int:
+    """The reference count a C function sees of an object the caller holds in one local
+    (as the generated graph code holds each gradient)."""
+    gradient = object()
+    return refcount(gradient)
 
 
 def _check_layout(result: torch.Tensor, variable: torch.Tensor) -> None:
