@@ -91,7 +91,8 @@ PyObject* proxy_for(PyObject* type) {
   if (PyObject_IS_GC(proxy)) {
     PyObject_GC_UnTrack(proxy);
   }
-  new (&reinterpret_cast<torch::autograd::THPCppFunction*>(proxy)->cdata) NodePtr();
+  using CData = decltype(torch::autograd::THPCppFunction::cdata);
+  new (&reinterpret_cast<torch::autograd::THPCppFunction*>(proxy)->cdata) CData();
   if (!torch::autograd::THPCppFunction_Check(proxy)) {
     return nullptr;  // not a builtin node's type: left allocated, never used
   }

@@ -85,30 +85,28 @@ def final_callbacks() -> list | None:
     return stack[-1] if stack else None
 
 
-class running_backward:
-    """Context around one gradfx backward run: collects and then runs final callbacks.
+def begin_backward() -> list:
+    """A gradfx backward run begins on this thread: the list its final callbacks collect
+    in (``queue_callback``).  ``end_backward`` must follow, in a ``finally``."""
+    stack = getattr(_running, "stack", None)
+    if stack is None:
+        stack = _running.stack = []
+    callbacks = []
+    stack.append(callbacks)
+    return callbacks
 
-    As in the eager engine, callbacks run in order after every node, and a
-    callback may queue more.
-    """
 
-    def __enter__(self):
-        stack = getattr(_running, "stack", None)
-        if stack is None:
-            stack = _running.stack = []
-        self.callbacks = []
-        stack.append(self.callbacks)
-        return self
+def run_callbacks(callbacks: list) -> None:
+    """As in the eager engine, callbacks run in order after every node, and a callback
+    may queue more."""
+    i = 0
+    while i < len(callbacks):
+        callbacks[i]()
+        i += 1
 
-    def __exit__(self, exc_type, *exc):
-        try:
-            if exc_type is None:
-                i = 0
-                while i < len(self.callbacks):
-                    self.callbacks[i]()
-                    i += 1
-        finally:
-            _running.stack.pop()
+
+def end_backward() -> None:
+    _running.stack.pop()
 
 
 def torch_internal(tensors) -> bool:

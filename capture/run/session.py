@@ -9,7 +9,6 @@ captured runs on the eager engine instead, with one warning per block and reason
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
@@ -419,6 +418,25 @@ class Session:
             entry.boxed = getattr(entry.fn, "_boxed", None)
             return _call_entry(entry, inputs)
 
+    def _call_graph(self, entry: CompiledBackward, call: BackwardCall, inputs: list, keep_graph: bool, kept):
+        try:
+            return self._call_compiled(entry, inputs)
+        except Diverged as stop:
+            frontier = entry.frontiers[stop.frontier]
+            # Once per graph and place at INFO: a backward that stops each time runs
+            # its rest at Python speed.
+            level = logging.DEBUG if stop.frontier in entry.stopped else logging.INFO
+            entry.stopped.add(stop.frontier)
+            log.log(level, "gradfx: %s gets None where the graph traced a gradient, or a gradient "
+                    "where it traced None; the rest of this backward runs node by node",
+                    call.node_label(frontier.node))
+            out = continuation.finish(call, frontier, stop, keep_graph, kept)
+            # The next backward of this structure takes (or captures) the graph traced
+            # with what this one found.
+            cache.stopped(entry.key, frontier.node, frontier.checked,
+                          frozenset(k for k in frontier.checked if stop.grads[k] is None))
+            return out
+
     def _failure(self, err: BaseException) -> str:
         """What a warning says of a backend that failed: the error's first line (dynamo's
         go on with links and advice that belong in the log)."""
@@ -460,32 +478,30 @@ class Session:
             for i in early:
                 owned[i].release()
         task = hook_ops.graph_task(call.executed_ids, keep_graph, call.outputs is None, _grad_inputs(call)) \
-            if entry.runs_python else contextlib.nullcontext()
+            if entry.runs_python else None
+        # The engine's grad mode for a backward: on only when it records history.  Set and
+        # restored by hand, as the context managers around it are: a cached backward's
+        # Python is cold, and each frame of it costs.
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(call.create_graph)
+        callbacks = routing.begin_backward()
         try:
-            # The engine's grad mode for a backward: on only when it records history.
-            with torch.set_grad_enabled(call.create_graph), task, routing.running_backward():
-                try:
-                    out = self._call_compiled(entry, inputs)
-                except Diverged as stop:
-                    frontier = entry.frontiers[stop.frontier]
-                    # Once per graph and place at INFO: a backward that stops each time runs
-                    # its rest at Python speed.
-                    level = logging.DEBUG if stop.frontier in entry.stopped else logging.INFO
-                    entry.stopped.add(stop.frontier)
-                    log.log(level, "gradfx: %s gets None where the graph traced a gradient, or a gradient "
-                            "where it traced None; the rest of this backward runs node by node",
-                            call.node_label(frontier.node))
-                    out = continuation.finish(call, frontier, stop, keep_graph, kept)
-                    # The next backward of this structure takes (or captures) the graph traced
-                    # with what this one found.
-                    cache.stopped(entry.key, frontier.node, frontier.checked,
-                                  frozenset(k for k in frontier.checked if stop.grads[k] is None))
+            if task is None:
+                out = self._call_graph(entry, call, inputs, keep_graph, kept)
+                routing.run_callbacks(callbacks)
+            else:
+                with task:
+                    out = self._call_graph(entry, call, inputs, keep_graph, kept)
+                    routing.run_callbacks(callbacks)
         except WrongGradient as err:
             raise RuntimeError(f"gradfx: the graph compiled by backend {self.backend_name!r} {err}; the backend "
                                "must return what the graph it was given computes") from err
         except Exception as err:
             explain.annotate_error(err, entry.captured.graph_module)
             raise
+        finally:
+            routing.end_backward()
+            torch._C._set_grad_enabled(grad_mode)
         entry.verified = True
         del inputs
         if not keep_graph:
