@@ -162,3 +162,17 @@ def test_reducer_probe_does_not_go_through_compiled_autograd_enable(monkeypatch,
         dist.destroy_process_group()
     assert session.stats["captures"] == int(python_reducer)
     assert not torch._dynamo.utils.counters["compiled_autograd"]  # the probe's capture is not counted
+
+
+def test_initialized_follows_the_default_process_group():
+    """What every cached backward asks (read off torch's registry): as torch's own answer."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from gradfx.capture.graph import distributed
+    assert distributed.initialized() is False is dist.is_initialized()
+    dist.init_process_group(backend="fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        assert distributed.initialized() is True is dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+    assert distributed.initialized() is False is dist.is_initialized()
