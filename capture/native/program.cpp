@@ -71,8 +71,9 @@ struct Program {
 // A saved value's getter reads only the node its object points at.  Rather than make
 // every node's Python object on every backward (an allocation each, the bulk of a walk's
 // time), each getter runs on one object per node type, pointed at the node for the
-// call.  Made once per type and kept for the process; never seen by the garbage
-// collector (its traverse would read the node it points at between calls: none).
+// call (under the GIL, which no getter releases).  Made once per type and kept for the
+// process; never seen by the garbage collector (its traverse would read the node it
+// points at between calls: none).
 PyObject* proxy_for(PyObject* type) {
   static std::unordered_map<PyObject*, PyObject*> proxies;
   auto found = proxies.find(type);
