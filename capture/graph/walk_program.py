@@ -8,7 +8,9 @@ same reads and comparisons, in the same order, run as one C++ call over a plan b
 here from the same specifications (``kinds``): no Python line per node, no bytecode
 to fetch per backward.  The call answers what the lines would return, or None; then
 the lines run (they decide, and the call took nothing over).  Where hooks may be
-live, or distributed training is on, the lines run directly.
+live, or distributed training is on, the lines run directly.  The call makes no Python
+object per node (program.cpp says how): a node's own input is None in what it returns,
+and the session gives a graph the node objects it reads.
 
 Every value check here is one of ``kinds.emit_values``' forms; a structure with any
 other (a nested size layout, a value keyed by ``value_key``) keeps its lines alone.

@@ -1,9 +1,11 @@
 // A cache-hit walk in one C++ call, for structures of builtin nodes and leaves alone
 // (capture/graph/walk_program.py builds the plan and says which): the structure, then
 // the same reads and checks as the walker's generated Python lines, in their order, then
-// the inputs, owners and sizes those lines return.  None where the lines would bail, or
-// where this call is not sure they would not (a leaf with tensor hooks): the lines then
-// run, and decide.  Nothing is taken over, so running them after it changes nothing.
+// the inputs, owners and sizes those lines return (the nodes as a sequence that makes
+// each node's Python object when asked for; a node's own input None).  None where the
+// lines would bail, or where this call is not sure they would not (a leaf with tensor
+// hooks): the lines then run, and decide.  Nothing is taken over, so running them after
+// it changes nothing.
 
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/function.h>
