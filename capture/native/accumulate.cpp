@@ -52,7 +52,7 @@ PyObject* accumulate(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
     Py_RETURN_NONE;
   }
   if (!(THPVariable_CheckExact(var_obj) || reinterpret_cast<PyObject*>(Py_TYPE(var_obj)) == parameter_type) ||
-      !THPVariable_CheckExact(grad_obj) || torch::autograd::GradMode::is_enabled()) {
+      !THPVariable_CheckExact(grad_obj) || !PyBool_Check(args[2]) || torch::autograd::GradMode::is_enabled()) {
     return python(args);
   }
   try {
@@ -66,12 +66,11 @@ PyObject* accumulate(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
     }
     at::Tensor& old = variable.mutable_grad();
     if (!old.defined()) {
-      const Py_ssize_t count = Py_REFCNT(grad_obj);
-      if (count > refs && PyObject_IsTrue(args[2]) == 1 && grad.use_count() <= 1) {
+      const bool may_steal = args[2] == Py_True && grad.use_count() <= 1;
+      if (may_steal && Py_REFCNT(grad_obj) > refs) {
         return python(args);  // maybe one more reference than a graph's local: the reference decides
       }
-      const bool unshared = PyObject_IsTrue(args[2]) == 1 && grad.use_count() <= 1 && count <= refs;
-      if (unshared && torch::autograd::utils::obeys_layout_contract(grad, variable)) {
+      if (may_steal && torch::autograd::utils::obeys_layout_contract(grad, variable)) {
         old = grad.detach();
       } else {
         old = torch::autograd::utils::clone_obey_contract(grad, variable);
