@@ -41,7 +41,7 @@ if mode == "check":
     out["warm"] = time.perf_counter() - start
 else:
     if mode == "unchecked":
-        self_check._verdict = ""
+        self_check.verdict = ""
     start = time.perf_counter()
     with gradfx.compiled_autograd():
         loss.backward()

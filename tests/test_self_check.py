@@ -17,7 +17,7 @@ from gradfx.capture.run import self_check, session
 @pytest.fixture
 def fresh_check(monkeypatch):
     """The self-check runs again (as in a new process); the real verdict comes back after."""
-    monkeypatch.setattr(self_check, "_verdict", None)
+    monkeypatch.setattr(self_check, "verdict", None)
     monkeypatch.setattr(session, "_warned_in_process", set())
     gradfx.reset()
     yield
@@ -130,5 +130,5 @@ def test_under_anomaly_mode_the_check_waits_for_a_later_capture(fresh_check):
     with torch.autograd.detect_anomaly(), pytest.warns(gradfx.FallbackWarning, match="anomaly"):
         with gradfx.compiled_autograd():
             loss.backward()
-    assert self_check._verdict is None
-    assert self_check.refusal() is None and self_check._verdict == ""
+    assert self_check.verdict is None
+    assert self_check.refusal() is None and self_check.verdict == ""

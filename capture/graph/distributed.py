@@ -40,7 +40,7 @@ def initialized() -> bool:
     default group, directly where the registry has it (torch 2.11-2.14)."""
     if _quiet.on:
         return False
-    world = _registry()
+    world = _world[0] if _world else _registry()
     if world is not None:
         return world._default_pg is not None
     return torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -22,7 +22,7 @@ answer wherever it does not.
 from __future__ import annotations
 
 import threading
-from functools import partial
+from functools import cached_property, partial
 
 from .. import native
 from . import distributed, hidden, hooks, walk_program
@@ -244,24 +244,30 @@ def _accumulators_hooked(accumulators) -> bool:
     return distributed.cpp_hooks_reason(accumulators) is not None
 
 
-def _template(call: BackwardCall) -> BackwardCall:
-    """``call`` without its live parts: a walker must not keep a graph (or, after a
-    retain_graph backward, its saved tensors) alive."""
-    template = BackwardCall.__new__(BackwardCall)
-    template.__dict__.update(call.__dict__)
-    template.nodes = template.owned = template.inputs = template.sizes = template.seq = None
-    template.walk_kinds = tuple(r.kind for r in call.records)
+def _template(call: BackwardCall) -> type:
+    """A class for ``call``'s structure: a BackwardCall subclass that holds what every
+    backward of the structure shares, so that a new backward's call sets only its own
+    parts (``instantiate``).  Without the live parts: a walker must not keep a graph (or,
+    after a retain_graph backward, its saved tensors) alive."""
+    shared = dict(getattr(type(call), "_shared", {}))  # ``call`` may itself be a walker's
+    shared.update(call.__dict__)
+    for live in ("nodes", "owned", "inputs", "sizes", "seq", "kinds"):
+        shared.pop(live, None)
+    shared["walk_kinds"] = tuple(r.kind for r in call.records)
     # The walker sets an owner exactly where the generic walk had one (kinds' take).
-    template.owner_indices = tuple(i for i, o in enumerate(call.owned) if o is not None)
-    return template
+    shared["owner_indices"] = tuple(i for i, o in enumerate(call.owned) if o is not None)
+    return type("WalkedCall", (BackwardCall,), {**shared, "_shared": shared, "kinds": _kinds})
 
 
-def instantiate(template: BackwardCall, nodes, owned, inputs, sizes, seq) -> BackwardCall:
+# Only tracing reads (and changes) a call's kinds: made for a call when first asked for.
+_kinds = cached_property(lambda call: list(call.walk_kinds))
+_kinds.__set_name__(BackwardCall, "kinds")
+
+
+def instantiate(template: type, nodes, owned, inputs, sizes, seq) -> BackwardCall:
     """A BackwardCall for a new backward of the template's structure."""
-    call = BackwardCall.__new__(BackwardCall)
-    call.__dict__.update(template.__dict__)
+    call = object.__new__(template)
     call.nodes, call.owned, call.inputs, call.sizes, call.seq = nodes, owned, inputs, sizes, seq
-    call.kinds = list(template.walk_kinds)
     return call
 
 
@@ -277,9 +283,11 @@ class Walkers:
         self._by_root: dict = {}
         self._where: dict = {}  # structure -> its (root type, config) list key
         self._lock = threading.Lock()  # threads add and forget walkers (candidates reads)
+        self.find = self._by_root.get  # the dict is kept (cleared, never replaced)
 
     def candidates(self, root_type, config) -> list:
         return self._by_root.get((root_type, config), ())
+
 
     def add(self, root_type, config, walker) -> None:
         key = (root_type, config)

@@ -48,9 +48,18 @@ class GraphCache:
         # structure -> the gradients from opaque calls that were None when its graph last
         # stopped: the next backward uses (or captures) the graph traced so (an Assumed key)
         self.assumed_none: dict = {}
+        self._last = None  # (structure, sizes, entry) of the last lookup that found one
 
     def lookup(self, structure, sizes):
         with self._lock:
+            last = self._last
+            # A training loop finds the same entry each step: the last hit answers while
+            # nothing was put, evicted or cleared since (any of them forgets it), sparing
+            # the size tuple and its hash.
+            if last is not None and last[0] is structure and last[1] == sizes:
+                entry = last[2]
+                self._lru.move_to_end(id(entry))
+                return entry
             entry = self._static.get((structure, tuple(sizes)))
             if entry is None:
                 for candidate in self._dynamic.get(structure, ()):
@@ -59,6 +68,7 @@ class GraphCache:
                         break
             if entry is not None:
                 self._lru.move_to_end(id(entry))
+                self._last = (structure, list(sizes), entry)
             return entry
 
     def entries(self, structure) -> list:
@@ -76,6 +86,7 @@ class GraphCache:
             self._put(structure, sizes, entry, dynamic)
 
     def _put(self, structure, sizes, entry, dynamic: bool) -> None:
+        self._last = None
         if dynamic:
             self._dynamic.setdefault(structure, []).insert(0, entry)
             self._lru[id(entry)] = (structure, None, entry)
@@ -98,6 +109,7 @@ class GraphCache:
 
     def _evict(self) -> None:
         while len(self._lru) > self.max_size:
+            self._last = None
             _, (structure, key, entry) = self._lru.popitem(last=False)
             if key is None:
                 self._dynamic[structure].remove(entry)
@@ -140,6 +152,7 @@ class GraphCache:
             self._clear()
 
     def _clear(self) -> None:
+        self._last = None
         self._static.clear()
         self._dynamic.clear()
         self._lru.clear()

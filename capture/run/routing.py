@@ -118,7 +118,7 @@ def torch_internal(tensors) -> bool:
             return True
         if t.is_meta or _is_functional_tensor(t) or _is_functorch_wrapped(t):
             return True
-    if _dispatch_stack_len() == 0 and not _infra_modes():
+    if _dispatch_stack_len() == 0:  # counts torch's fake, proxy and functional modes too
         return False
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     return any(type(m).__name__ in _TRACING_MODES for m in _get_current_dispatch_mode_stack())
@@ -134,17 +134,9 @@ def _traced_subclass(t) -> bool:
 _is_functional_tensor = torch._is_functional_tensor
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
-_get_dispatch_mode = torch._C._get_dispatch_mode
-_FAKE, _PROXY, _FUNCTIONAL = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
-                               torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 # torch's own tracing modes; a user's TorchDispatchMode (FlopCounterMode, ...) is not one.
 _TRACING_MODES = frozenset({"ProxyTorchDispatchMode", "FakeTensorMode", "FunctionalTensorMode"})
-
-
-def _infra_modes() -> bool:
-    return (_get_dispatch_mode(_FAKE) is not None or _get_dispatch_mode(_PROXY) is not None
-            or _get_dispatch_mode(_FUNCTIONAL) is not None)
 
 
 def install() -> None:

@@ -28,36 +28,36 @@ from .. import native, torch_releases
 
 log = logging.getLogger("gradfx")
 
-_verdict: str | None = None  # "" once the probes agreed, else why gradfx must not capture
+verdict: str | None = None  # "" once the probes agreed, else why gradfx must not capture
 _lock = threading.RLock()
 _checking = threading.local()
 
 
 def refusal() -> str | None:
     """Why this process must not capture (None: it may).  Runs the check once."""
-    verdict = _verdict
-    if verdict is None:
+    found = verdict
+    if found is None:
         if getattr(_checking, "active", False):
             return None  # the probes' own backwards
         if torch.is_anomaly_enabled():
             return None  # undecided: blocks fall back under anomaly mode; checked at a later capture
-        verdict = _decide()
-    return verdict or None
+        found = _decide()
+    return found or None
 
 
 def _decide() -> str:
-    global _verdict
+    global verdict
     with _lock:
-        if _verdict is None:
+        if verdict is None:
             start = time.perf_counter()
-            _verdict = _check()
+            verdict = _check()
             seconds = time.perf_counter() - start
-            if _verdict:
-                log.info("gradfx: self-check failed in %.1f ms: %s", seconds * 1e3, _verdict)
+            if verdict:
+                log.info("gradfx: self-check failed in %.1f ms: %s", seconds * 1e3, verdict)
             else:
                 log.debug("gradfx: self-check of torch %s passed in %.1f ms", torch.__version__, seconds * 1e3)
                 native.start()  # the process's first capture: the compiled part builds meanwhile
-    return _verdict
+    return verdict
 
 
 def _check() -> str:

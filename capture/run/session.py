@@ -72,7 +72,7 @@ class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
     __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
-                 "verified", "failed", "output_specs", "frontiers", "stopped", "kept", "key", "node_inputs")
+                 "verified", "failed", "output_specs", "frontiers", "stopped", "kept", "key", "node_inputs", "release_split")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
                  guard, size_positions=(), failed=None, output_specs=None, frontiers=()):
@@ -103,6 +103,8 @@ class CompiledBackward:
         # (input position, node index) of the node objects the graph reads: a one-call
         # walk leaves the others None (set by the capture).
         self.node_inputs = ()
+        # (owner places, released before the graph, after it) for a walker's calls
+        self.release_split = None
 
 
 class _Config:
@@ -152,18 +154,20 @@ class Session:
 
     def __init__(self, backend="eager", *, dynamic="auto", strict=False, passes=None, names=None):
         self.names = annotate.Names(names) if names is not None else None  # display only: never keyed
-        check_dynamic(dynamic)  # before the lookup: 1 and True are the same dict key
+        if not (type(dynamic) is str and dynamic == "auto"):
+            check_dynamic(dynamic)  # before the lookup: 1 and True are the same dict key
         if type(strict) is not bool:  # strict="no" must not mean True
             raise TypeError(f"strict must be True or False, got {type(strict).__name__} ({strict!r})")
-        config = _configure(backend, passes, dynamic)
-        self.backend_name, self.backend_fn, self.passes = config.backend_name, config.backend_fn, config.passes
-        self._config_key, self._config_key_with_history = config.key, config.key_with_history
-        self._trusted, self._plain_graph = config.trusted, config.plain_graph
+        self._config = _configure(backend, passes, dynamic)
         self.dynamic = dynamic
         self.strict = strict
         self.graphs: list[CapturedGraph] = []
         self.stats = dict.fromkeys(counters.COUNTERS, 0)
         self._warned: set[str] = set()
+
+    backend_name = property(lambda self: self._config.backend_name)
+    backend_fn = property(lambda self: self._config.backend_fn)
+    passes = property(lambda self: self._config.passes)
 
     # -- context manager -----------------------------------------------------
     def __enter__(self) -> "Session":
@@ -210,29 +214,34 @@ class Session:
     def _prepare(self, tensors, grad_tensors, inputs, accumulate_grad, create_graph, engine):
         """Walk the graph and find (or capture) its compiled backward: (entry, call).
         Raises _Fallback for what gradfx does not capture."""
-        refused = self_check.refusal()
-        if refused is not None:
-            raise _Fallback(refused, process_wide=True)
+        if self_check.verdict != "":  # "": the self-check passed (read here, the common case)
+            refused = self_check.refusal()
+            if refused is not None:
+                raise _Fallback(refused, process_wide=True)
         if torch.is_anomaly_enabled():
             raise _Fallback("anomaly detection is enabled")
-        for t in tuple(tensors) + tuple(inputs or ()):
-            if not isinstance(t, torch.Tensor):
-                raise _Fallback(f"a GradientEdge ({type(t).__name__}) as root or input")
+        for t in tensors:
             if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-                raise _Fallback(f"a tensor subclass ({type(t).__name__})")
-        if any(g is None for g in grad_tensors):
-            raise _Fallback("a root without a gradient")  # eager raises the error
-        if any(_is_functorch_wrapped(g) or _is_legacy_batched(g) for g in grad_tensors):
+                _refuse_type(t)
+        for t in inputs or ():
+            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+                _refuse_type(t)
+        batched = False
+        for g in grad_tensors:
+            if g is None:
+                raise _Fallback("a root without a gradient")  # eager raises the error
+            batched = batched or _is_functorch_wrapped(g) or _is_legacy_batched(g)
+        if batched:
             raise _Fallback("batched gradients (autograd.grad with is_grads_batched=True, or vmap)")
         if create_graph and accumulate_grad:
             _warn_like_eager_once(engine)
-        config = self._config_key if not create_graph else self._config_key_with_history
+        config = self._config.key if not create_graph else self._config.key_with_history
         call, structure = self._fast_walk(tensors, grad_tensors, inputs, accumulate_grad, config)
         if call is None:
             call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph,
-                                 take_functions=not self._plain_graph)
+                                 take_functions=not self._config.plain_graph)
             structure = (call.key, config)
-        key = cache.key(structure)
+        key = cache.key(structure) if cache.assumed_none else structure  # cache.key, its common case inline
         entry = cache.lookup(key, call.sizes)
         if entry is None:
             if type(call.nodes) is not list or any(left_to_node(o) for o in call.owned):
@@ -240,19 +249,19 @@ class Session:
                 # only for what asks (a one-call walk); tracing needs gradfx's own owners
                 # (fakes are substituted through them) and every node: the generic walk.
                 call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph,
-                                     take_functions=not self._plain_graph)
+                                     take_functions=not self._config.plain_graph)
             entry = self._capture(call, key, tensors, () if accumulate_grad else inputs)
             self._count("captures")
         else:
             if entry.failed is not None:  # before anything is released
                 self._backend_failed(entry.failed, None)
-            self._count("cache_hits")
+            self.stats["cache_hits"] += 1  # _count, inline
+            counters.totals["cache_hits"] += 1
         return entry, call
 
     def _fast_walk(self, tensors, grads, inputs, accumulate, config):
         """The generated walker of a known structure, if one accepts this graph."""
-        fn = tensors[0].grad_fn
-        for walker in fast_walk.walkers.candidates(type(fn), config):
+        for walker in fast_walk.walkers.find((type(tensors[0].grad_fn), config)) or ():
             try:
                 found = walker(tensors, grads, inputs or (), accumulate)
             except ForeignHooks:  # saved tensors now under the user's hooks
@@ -297,7 +306,7 @@ class Session:
         release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
         self.graphs.append(captured)
         specs = None
-        if call.outputs is not None and (failed is None and not self._trusted):
+        if call.outputs is not None and (failed is None and not self._config.trusted):
             specs = _output_specs(captured.graph_module.graph)
         entry = CompiledBackward(compiled, captured, release_after, bool(call.hooks or release_after),
                                  guard, made.size_positions, failed, specs, made.frontiers)
@@ -406,36 +415,43 @@ class Session:
             warnings.warn(f"gradfx: {reason}; running the graph on the eager backend", FallbackWarning,
                           stacklevel=user_stacklevel())
 
-    def _call_compiled(self, entry: CompiledBackward, inputs: list):
-        try:
-            return _call_entry(entry, inputs)
-        except backends.CompileFailedAtRun as failed:  # nothing ran: the eager backend runs it
-            err = failed.error
-            entry.failed = self._failure(err)
-            self._backend_failed(entry.failed, err)
-            self._count("uncompiled")
-            entry.fn = backends.compile_with(backends.builtin.eager, entry.captured.graph_module, [])
-            entry.boxed = getattr(entry.fn, "_boxed", None)
-            return _call_entry(entry, inputs)
-
     def _call_graph(self, entry: CompiledBackward, call: BackwardCall, inputs: list, keep_graph: bool, kept):
+        # One frame on the way to the graph, for a cached backward's sake: what the two
+        # exceptions need is in the methods below.
         try:
-            return self._call_compiled(entry, inputs)
+            try:
+                if entry.boxed is not None:
+                    return entry.boxed(inputs)
+                return _call_entry(entry, inputs)
+            except backends.CompileFailedAtRun as failed:  # nothing ran: the eager backend runs it
+                return self._run_uncompiled(entry, inputs, failed.error)
         except Diverged as stop:
-            frontier = entry.frontiers[stop.frontier]
-            # Once per graph and place at INFO: a backward that stops each time runs
-            # its rest at Python speed.
-            level = logging.DEBUG if stop.frontier in entry.stopped else logging.INFO
-            entry.stopped.add(stop.frontier)
-            log.log(level, "gradfx: %s gets None where the graph traced a gradient, or a gradient "
-                    "where it traced None; the rest of this backward runs node by node",
-                    call.node_label(frontier.node))
-            out = continuation.finish(call, frontier, stop, keep_graph, kept)
-            # The next backward of this structure takes (or captures) the graph traced
-            # with what this one found.
-            cache.stopped(entry.key, frontier.node, frontier.checked,
-                          frozenset(k for k in frontier.checked if stop.grads[k] is None))
-            return out
+            return self._finish_stopped(entry, call, stop, keep_graph, kept)
+
+    def _run_uncompiled(self, entry: CompiledBackward, inputs: list, err: BaseException):
+        entry.failed = self._failure(err)
+        self._backend_failed(entry.failed, err)
+        self._count("uncompiled")
+        entry.fn = backends.compile_with(backends.builtin.eager, entry.captured.graph_module, [])
+        entry.boxed = getattr(entry.fn, "_boxed", None)
+        return _call_entry(entry, inputs)
+
+    def _finish_stopped(self, entry: CompiledBackward, call: BackwardCall, stop: Diverged, keep_graph: bool, kept):
+        """The graph stopped (a traced gradient None at run time): the rest runs node by node."""
+        frontier = entry.frontiers[stop.frontier]
+        # Once per graph and place at INFO: a backward that stops each time runs
+        # its rest at Python speed.
+        level = logging.DEBUG if stop.frontier in entry.stopped else logging.INFO
+        entry.stopped.add(stop.frontier)
+        log.log(level, "gradfx: %s gets None where the graph traced a gradient, or a gradient "
+                "where it traced None; the rest of this backward runs node by node",
+                call.node_label(frontier.node))
+        out = continuation.finish(call, frontier, stop, keep_graph, kept)
+        # The next backward of this structure takes (or captures) the graph traced
+        # with what this one found.
+        cache.stopped(entry.key, frontier.node, frontier.checked,
+                      frozenset(k for k in frontier.checked if stop.grads[k] is None))
+        return out
 
     def _failure(self, err: BaseException) -> str:
         """What a warning says of a backend that failed: the error's first line (dynamo's
@@ -467,14 +483,22 @@ class Session:
         held = call.owner_indices
         if held is None:
             held = [i for i, saved in enumerate(owned) if saved is not None]
-        early = ()
+        early, late = (), held
         if release_now:
             # Traced nodes' saved tensors now live only in `inputs`, so the graph frees
             # each at its last use; opaque nodes still read theirs and are released after.
             # Where the graph may stop, the nodes run after it need theirs: a tensor left
             # to its node (HeldByNode) cannot be given back once released.
-            late = entry.release_after
-            early = [i for i in held if i not in late and not (entry.frontiers and left_to_node(owned[i]))]
+            split = entry.release_split
+            if split is not None and split[0] is held:  # a walker's calls share their owners' places
+                early, late = split[1], split[2]
+            else:
+                after = entry.release_after
+                early = [i for i in held if i not in after and not (entry.frontiers and left_to_node(owned[i]))]
+                now = set(early)
+                late = [i for i in held if i not in now]
+                if not entry.frontiers and type(held) is tuple:
+                    entry.release_split = (held, early, late)
             for i in early:
                 owned[i].release()
         task = hook_ops.graph_task(call.executed_ids, keep_graph, call.outputs is None, _grad_inputs(call)) \
@@ -488,11 +512,13 @@ class Session:
         try:
             if task is None:
                 out = self._call_graph(entry, call, inputs, keep_graph, kept)
-                routing.run_callbacks(callbacks)
+                if callbacks:
+                    routing.run_callbacks(callbacks)
             else:
                 with task:
                     out = self._call_graph(entry, call, inputs, keep_graph, kept)
-                    routing.run_callbacks(callbacks)
+                    if callbacks:
+                        routing.run_callbacks(callbacks)
         except WrongGradient as err:
             raise RuntimeError(f"gradfx: the graph compiled by backend {self.backend_name!r} {err}; the backend "
                                "must return what the graph it was given computes") from err
@@ -505,10 +531,8 @@ class Session:
         entry.verified = True
         del inputs
         if not keep_graph:
-            released = set(early)
-            for i in held:
-                if i not in released:
-                    owned[i].release()
+            for i in late:
+                owned[i].release()
         return out
 
 
@@ -530,6 +554,13 @@ def _grad_inputs(call: BackwardCall) -> frozenset | None:
     if call.accumulate:
         return None
     return frozenset(id(call.nodes[out[0]]) for out in call.outputs if out is not None)
+
+
+def _refuse_type(t) -> None:
+    """A root or input that is neither a plain tensor nor a parameter: why it falls back."""
+    if not isinstance(t, torch.Tensor):
+        raise _Fallback(f"a GradientEdge ({type(t).__name__}) as root or input")
+    raise _Fallback(f"a tensor subclass ({type(t).__name__})")
 
 
 def _eager_refuses(tensors, inputs) -> bool:
