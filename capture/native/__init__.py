@@ -80,6 +80,19 @@ def module():
     return _state.module
 
 
+def when_loaded(fn) -> None:
+    """Call ``fn(extension)`` once it has loaded (now, if it has): for code that binds one of
+    its functions where asking ``module()`` each time would cost a cached backward."""
+    with _lock:
+        _on_load.append(fn)
+        loaded = _state.module
+    if loaded is not None:
+        fn(loaded)
+
+
+_on_load: list = []
+
+
 def start() -> None:
     """Start the build where none is cached or running (the first capture calls this)."""
     module()
@@ -185,5 +198,7 @@ def _load(where: str, ok: str) -> None:
     except Exception as err:  # an incompatible or damaged library: Python serves
         return _unavailable(f"its library in {where} does not load: {type(err).__name__}: {err}")
     _state.module = loaded
+    for fn in _on_load:
+        fn(loaded)
     log.info("gradfx: its compiled part is loaded (built in %.1f s, %d KB)", report["seconds"],
              report["bytes"] // 1024)

@@ -3,8 +3,13 @@
 // the C++ nodes, without the tuple of tuples ``next_functions`` builds per node.  It
 // answers None wherever the Python lines would bail, or where it is not sure they would
 // not (a tensor subclass among the roots): the generic walk then decides, as on any miss.
+//
+// Before any of it, ``plain_call``: is a backward call one that gradfx's Python checks
+// (capture/run/routing.torch_internal, session._eager_refuses and _prepare's) would all
+// pass?  True only where it is sure; False sends the call through those checks.
 
 #include <pybind11/pybind11.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -308,15 +313,88 @@ PyObject* structure_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize
   return result;
 }
 
+// A root or input as the Python checks pass it: a Tensor or Parameter that requires grad
+// (a root without grad_fn or requires_grad, an input without requires_grad: eager's
+// error), not on the meta device, with no key of a functorch transform, vmap's batching,
+// functionalization or Python dispatch (torch's own tracing and transforms).
+bool plain_tensor(PyObject* t, PyObject* parameter) {
+  if (!(THPVariable_CheckExact(t) || reinterpret_cast<PyObject*>(Py_TYPE(t)) == parameter)) {
+    return false;
+  }
+  const at::Tensor& tensor = THPVariable_Unpack(t);
+  constexpr c10::DispatchKeySet kTransformed({c10::DispatchKey::FuncTorchGradWrapper,
+                                              c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::Batched,
+                                              c10::DispatchKey::BatchedNestedTensor, c10::DispatchKey::Functionalize,
+                                              c10::DispatchKey::Python});
+  return tensor.requires_grad() && !tensor.is_meta() && !tensor.key_set().has_any(kTransformed);
+}
+
+// A root's gradient as the Python checks pass it: a tensor (eager raises for a missing
+// one), not batched (autograd.grad's is_grads_batched, vmap).
+bool plain_grad(PyObject* g) {
+  if (!THPVariable_Check(g)) {
+    return false;
+  }
+  constexpr c10::DispatchKeySet kBatched({c10::DispatchKey::FuncTorchGradWrapper,
+                                          c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::Batched,
+                                          c10::DispatchKey::BatchedNestedTensor, c10::DispatchKey::Functionalize});
+  return !THPVariable_Unpack(g).key_set().has_any(kBatched);
+}
+
+PyObject* plain_call(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  static PyObject* parameter = nullptr;  // torch.nn.Parameter, for the process
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "plain_call(tensors, grads, inputs)");
+    return nullptr;
+  }
+  if (parameter == nullptr) {
+    PyObject* nn = PyImport_ImportModule("torch.nn");
+    parameter = nn == nullptr ? nullptr : PyObject_GetAttrString(nn, "Parameter");
+    Py_XDECREF(nn);
+    if (parameter == nullptr) {
+      return nullptr;
+    }
+  }
+  // A user's dispatch mode sees the backward's compute; torch's tracing modes own theirs.
+  if (c10::impl::TorchDispatchModeTLS::stack_len() != 0) {
+    Py_RETURN_FALSE;
+  }
+  PyObject* tensors = args[0];
+  PyObject* grads = args[1];
+  PyObject* inputs = args[2];
+  if (!PyTuple_CheckExact(tensors) || !PyTuple_CheckExact(grads) ||
+      PyTuple_GET_SIZE(tensors) != PyTuple_GET_SIZE(grads) || PyTuple_GET_SIZE(tensors) == 0 ||
+      !(inputs == Py_None || PyTuple_CheckExact(inputs))) {
+    Py_RETURN_FALSE;
+  }
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(tensors); ++k) {
+    if (!plain_tensor(PyTuple_GET_ITEM(tensors, k), parameter) || !plain_grad(PyTuple_GET_ITEM(grads, k))) {
+      Py_RETURN_FALSE;
+    }
+  }
+  if (inputs != Py_None) {
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(inputs); ++k) {
+      if (!plain_tensor(PyTuple_GET_ITEM(inputs, k), parameter)) {
+        Py_RETURN_FALSE;
+      }
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
 PyMethodDef compile_def = {"compile_structure", &compile_structure, METH_O,
                            "a structure plan (roots, types, edges, chain) parsed once, for structure()"};
 PyMethodDef structure_def = {
     "structure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&structure_fastcall)), METH_FASTCALL,
     "the walker's roots, types, edges and sequence order checked: (nodes, sequence numbers) or None"};
+PyMethodDef plain_call_def = {
+    "plain_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&plain_call)), METH_FASTCALL,
+    "(tensors, grads, inputs) of a backward call: True where gradfx's Python checks would all pass it"};
 
 }  // namespace
 
 void add_structure(py::module_& m) {
   m.attr("compile_structure") = py::reinterpret_steal<py::object>(PyCFunction_New(&compile_def, nullptr));
   m.attr("structure") = py::reinterpret_steal<py::object>(PyCFunction_New(&structure_def, nullptr));
+  m.attr("plain_call") = py::reinterpret_steal<py::object>(PyCFunction_New(&plain_call_def, nullptr));
 }

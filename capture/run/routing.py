@@ -5,10 +5,11 @@ call ``Variable._execution_engine.run_backward``.  gradfx puts a thin object in
 its place (once, on first use) that hands calls to the innermost active session
 on the calling thread and passes everything else straight to the C++ engine.
 Calls torch makes for itself (AOTAutograd tracing a joint graph on fake or
-functional tensors under its tracing modes, functorch transforms) go straight to
-the engine, uncounted.  A user's ``loss.backward()`` inside a ``torch.compile``'d
-function reaches here after dynamo breaks the graph at it: that one is captured
-like any other, and dynamo is kept out of gradfx's own frames.
+functional tensors under its tracing modes, functorch transforms) the session
+sends straight to the engine, uncounted (``torch_internal``).  A user's
+``loss.backward()`` inside a ``torch.compile``'d function reaches here after
+dynamo breaks the graph at it: that one is captured like any other, and dynamo
+is kept out of gradfx's own frames.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ class RoutingEngine:
         # runs with dynamo's frame callback set: this frame and every frame it calls are
         # skipped by it (install() marks the code), so dynamo never traces gradfx.
         block = current()
-        if block is None or torch_internal(tensors):
+        if block is None:
             return self.engine.run_backward(tensors, *args, **kwargs)
-        return block.run_backward(self.engine, tensors, *args, **kwargs)
+        return block.run_backward(self.engine, tensors, *args, **kwargs)  # it asks torch_internal
 
     def queue_callback(self, callback):
         # While gradfx runs a backward there is no C++ graph task to hold final

@@ -22,7 +22,7 @@ from torch._C._functorch import is_legacy_batchedtensor as _is_legacy_batched
 
 from ... import backends, reorder
 from ...backends.identity import Key, callable_key
-from .. import logs, pipeline, torch_releases
+from .. import logs, native, pipeline, torch_releases
 from ..view import annotate
 from ..graph import fast_walk
 from . import continuation, counters, hook_ops, routing, self_check
@@ -37,6 +37,16 @@ from ..graph.kinds import OPAQUE
 from ..graph.walk import BackwardCall, walk_backward
 
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
+
+_plain_call = None  # the compiled part's plain_call, once it has loaded
+
+
+def _bind_native(module) -> None:
+    global _plain_call
+    _plain_call = getattr(module, "plain_call", None)
+
+
+native.when_loaded(_bind_native)
 
 log = logging.getLogger("gradfx")
 
@@ -185,19 +195,26 @@ class Session:
     def run_backward(self, engine, tensors, grad_tensors, keep_graph, create_graph,
                      inputs=(), allow_unreachable=True, accumulate_grad=True):
         args = (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
-        if _eager_refuses(tensors, inputs):
-            # Eager raises for this call before computing anything: let it, in its own
-            # words.  Nothing ran, so nothing is counted and nothing is warned.
-            return engine.run_backward(*args)
+        # The compiled part's one check passes what every check below would (a user's call
+        # of plain tensors, the common case); the Python checks decide the rest.
+        plain = _plain_call is not None and _plain_call(tensors, grad_tensors, inputs)
+        if not plain:
+            if routing.torch_internal(tensors):
+                return engine.run_backward(*args)  # torch's own: straight to the engine, uncounted
+            if _eager_refuses(tensors, inputs):
+                # Eager raises for this call before computing anything: let it, in its own
+                # words.  Nothing ran, so nothing is counted and nothing is warned.
+                return engine.run_backward(*args)
         try:
-            if _dispatch_stack_len():
+            if not plain and _dispatch_stack_len():
                 # The user's dispatch modes (FlopCounterMode, ...) see the backward's
                 # compute, as in eager; not gradfx's walk, tracing and compiling.
                 with _disable_current_modes():
                     entry, call = self._prepare(tensors, grad_tensors, inputs, accumulate_grad, create_graph,
-                                                engine)
+                                                engine, False)
             else:
-                entry, call = self._prepare(tensors, grad_tensors, inputs, accumulate_grad, create_graph, engine)
+                entry, call = self._prepare(tensors, grad_tensors, inputs, accumulate_grad, create_graph, engine,
+                                            plain)
         except _Fallback as fb:
             return self._fallback(engine, args, fb.reason, fb.process_wide)
         results = self._run(entry, call, keep_graph)
@@ -211,28 +228,18 @@ class Session:
             return results
         return ()
 
-    def _prepare(self, tensors, grad_tensors, inputs, accumulate_grad, create_graph, engine):
+    def _prepare(self, tensors, grad_tensors, inputs, accumulate_grad, create_graph, engine, plain):
         """Walk the graph and find (or capture) its compiled backward: (entry, call).
-        Raises _Fallback for what gradfx does not capture."""
+        Raises _Fallback for what gradfx does not capture.  ``plain``: the roots, inputs and
+        gradients are known to pass the type and batching checks."""
         if self_check.verdict != "":  # "": the self-check passed (read here, the common case)
             refused = self_check.refusal()
             if refused is not None:
                 raise _Fallback(refused, process_wide=True)
         if torch.is_anomaly_enabled():
             raise _Fallback("anomaly detection is enabled")
-        for t in tensors:
-            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-                _refuse_type(t)
-        for t in inputs or ():
-            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-                _refuse_type(t)
-        batched = False
-        for g in grad_tensors:
-            if g is None:
-                raise _Fallback("a root without a gradient")  # eager raises the error
-            batched = batched or _is_functorch_wrapped(g) or _is_legacy_batched(g)
-        if batched:
-            raise _Fallback("batched gradients (autograd.grad with is_grads_batched=True, or vmap)")
+        if not plain:
+            _check_call(tensors, grad_tensors, inputs)
         if create_graph and accumulate_grad:
             _warn_like_eager_once(engine)
         config = self._config.key if not create_graph else self._config.key_with_history
@@ -554,6 +561,20 @@ def _grad_inputs(call: BackwardCall) -> frozenset | None:
     if call.accumulate:
         return None
     return frozenset(id(call.nodes[out[0]]) for out in call.outputs if out is not None)
+
+
+def _check_call(tensors, grad_tensors, inputs) -> None:
+    """Raises _Fallback for roots, inputs or gradients gradfx does not capture."""
+    for t in tensors:
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            _refuse_type(t)
+    for t in inputs or ():
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            _refuse_type(t)
+    if any(g is None for g in grad_tensors):
+        raise _Fallback("a root without a gradient")  # eager raises the error
+    if any(_is_functorch_wrapped(g) or _is_legacy_batched(g) for g in grad_tensors):
+        raise _Fallback("batched gradients (autograd.grad with is_grads_batched=True, or vmap)")
 
 
 def _refuse_type(t) -> None:
