@@ -176,11 +176,12 @@ def _with_program(lines, program: tuple, call: BackwardCall):
     that answers None and wherever hooks may be live or distributed training is on."""
     run = _native("program")
     roots = len(call.roots)
-    hooks_active, dist_initialized = hooks.active, distributed.initialized
+    dist_initialized = distributed.initialized
+    pre, retained, node_dicts = hooks.none_possible()
 
     def fast_walk(tensors, grads, inputs, accumulate):
         if (accumulate is True and len(tensors) == roots and len(grads) == roots and not inputs
-                and hooks_active() is None and not dist_initialized()):
+                and not (pre or retained or node_dicts) and not dist_initialized()):
             found = run(tensors, grads, program)
             if found is not None:
                 return found

@@ -164,6 +164,12 @@ def install() -> None:
         _HookMixin._register_hook = staticmethod(_register_node_hook)
 
 
+def none_possible() -> tuple:
+    """The dicts ``active`` looks at (never replaced, only changed): no node can have such
+    hooks while all three are empty.  For a walker that asks on every backward, inline."""
+    return _tensor_pre, _retained, _node_dicts
+
+
 def active() -> "WalkState | None":
     """For one walk: None if no node of any graph can have hooks this module must find
     (the cheap, common case), else the walk's :class:`WalkState`."""

@@ -63,7 +63,8 @@ _blocks = _Blocks()
 
 def enter(block) -> None:
     """A block opens on this thread: its backward calls go to ``block.run_backward``."""
-    install()
+    if type(Variable._execution_engine) is not RoutingEngine:  # install(), its common case inline
+        install()
     _blocks.stack.append(block)
 
 

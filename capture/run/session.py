@@ -243,7 +243,16 @@ class Session:
         if create_graph and accumulate_grad:
             _warn_like_eager_once(engine)
         config = self._config.key if not create_graph else self._config.key_with_history
-        call, structure = self._fast_walk(tensors, grad_tensors, inputs, accumulate_grad, config)
+        call = None
+        # The generated walker of a known structure, if one accepts this graph.
+        for walker in fast_walk.walkers.find((type(tensors[0].grad_fn), config)) or ():
+            try:
+                found = walker(tensors, grad_tensors, inputs or (), accumulate_grad)
+            except ForeignHooks:  # saved tensors now under the user's hooks
+                break
+            if found is not None:
+                call, structure = fast_walk.instantiate(walker.template, *found), walker.structure
+                break
         if call is None:
             call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph,
                                  take_functions=not self._config.plain_graph)
@@ -265,17 +274,6 @@ class Session:
             self.stats["cache_hits"] += 1  # _count, inline
             counters.totals["cache_hits"] += 1
         return entry, call
-
-    def _fast_walk(self, tensors, grads, inputs, accumulate, config):
-        """The generated walker of a known structure, if one accepts this graph."""
-        for walker in fast_walk.walkers.find((type(tensors[0].grad_fn), config)) or ():
-            try:
-                found = walker(tensors, grads, inputs or (), accumulate)
-            except ForeignHooks:  # saved tensors now under the user's hooks
-                return None, None
-            if found is not None:
-                return fast_walk.instantiate(walker.template, *found), walker.structure
-        return None, None
 
     def _fallback(self, engine, args, reason: str, process_wide: bool = False):
         if self.strict:
