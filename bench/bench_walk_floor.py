@@ -37,7 +37,6 @@ import torch
 
 import gradfx
 from gradfx.capture.graph import fast_walk
-from gradfx.capture.run import session
 
 _COMPARISON = re.compile(r"^if not \((.*)\): return None$")
 _EFFECTS = ("collect(", "materializes(", "ctx_key(", "flatten(", "native_metas(", "native_tensor(")  # calls a comparison wraps
@@ -92,15 +91,19 @@ def in_situ(name, steps):
     times = {k: [] for k in variants}
     eager = []
     current = ["walker"]
-    original = session.Session._fast_walk
 
-    def timed_walk(self, tensors, grads, inputs, accumulate, config):
-        start = time.perf_counter()
-        found = variants[current[0]](tensors, grads, inputs or (), accumulate)
-        times[current[0]].append(time.perf_counter() - start)
-        return fast_walk.instantiate(walker.template, *found), walker.structure
+    class Timed:
+        """The walker the session finds (fast_walk.walkers.find), running the current variant."""
+        template, structure = walker.template, walker.structure
 
-    session.Session._fast_walk = timed_walk
+        def __call__(self, tensors, grads, inputs, accumulate):
+            start = time.perf_counter()
+            found = variants[current[0]](tensors, grads, inputs, accumulate)
+            times[current[0]].append(time.perf_counter() - start)
+            return found
+
+    original = fast_walk.walkers.find
+    fast_walk.walkers.find = lambda key, found=[Timed()]: found
     try:
         for step in range(steps + 10):
             model.zero_grad(set_to_none=True)
@@ -114,7 +117,7 @@ def in_situ(name, steps):
             with gradfx.compiled_autograd(backend="eager"):
                 loss.backward()
     finally:
-        session.Session._fast_walk = original
+        fast_walk.walkers.find = original
     med = lambda v: statistics.median(v[5:]) * 1e6  # noqa: E731
     return len(walker.template.records), med(eager), {k: med(v) for k, v in times.items()}
 

@@ -334,7 +334,9 @@ def test_floor_benchmark_measures_the_walkers_own_reads(monkeypatch):
     walker = _walker()
     bare = bench_walk_floor.reads_only(walker)
     found = []
-    for fn in (walker, bare):
+    # The lines, which the variant is made from (a walker may run them as one C++ call,
+    # whose node inputs differ: made when asked for).
+    for fn in (walker.lines, bare):
         loss = model(torch.randn(*shape)).sum()
         nodes, owned, inputs, sizes, seq = fn((loss,), (torch.ones(()),), (), True)
         found.append((sizes, [type(n) for n in nodes], [type(x) for x in inputs], len(seq)))
@@ -343,6 +345,19 @@ def test_floor_benchmark_measures_the_walkers_own_reads(monkeypatch):
                 o.release()
     assert found[0] == found[1]
     assert "return None" in walker.source and "return None" not in bare.source
+
+
+def test_floor_benchmark_times_the_walker_the_session_calls(monkeypatch):
+    """bench_walk_floor's training loop times each variant where the session calls the
+    walker: every timed backward went through it, and the session's lookup is restored."""
+    import os
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_walk_floor
+    find = fast_walk.walkers.find
+    nodes, eager, times = bench_walk_floor.in_situ("mlp", 20)
+    assert fast_walk.walkers.find == find
+    assert nodes > 0 and eager > 0 and set(times) >= {"walker", "reads only"}
+    assert all(t > 0 for t in times.values())
 
 
 def _warm(kind):
