@@ -108,7 +108,8 @@ def test_another_dropout_draws_a_mask_eager_draws():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("selective", [False, True], ids=["checkpoint", "selective"])
+@pytest.mark.parametrize("selective", [False, pytest.param(True, marks=pytest.mark.sample)],
+                         ids=["checkpoint", "selective"])
 def test_inductor_compiles_the_recompute_with_the_rest(selective):
     torch.manual_seed(0)
     eager, model = Checkpointed(selective), Checkpointed(selective)
