@@ -28,6 +28,7 @@ from torch.autograd.function import BackwardCFunction
 
 from .. import native
 from ..errors import _Fallback
+from ..trace.functions import promised_traceable
 from . import hidden, hooks
 from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, readable, take_saved, unreadable
 
@@ -91,7 +92,7 @@ def is_traceable(function_node_type: type) -> bool:
     """Is this custom Function's backward traced into the graph (see gradfx.traceable; a
     torch.compile'd region's backward: trace.aot_regions)?"""
     cls = function_node_type._forward_cls
-    if getattr(cls, "_gradfx_traceable", False):
+    if promised_traceable(cls):
         return True
     from ..trace import aot_regions  # lazily: the trace package imports this module
     return aot_regions.is_region(cls)
@@ -100,7 +101,7 @@ def is_traceable(function_node_type: type) -> bool:
 def traced_ctx_key(ctx):
     """What a traced backward bakes in of its ctx, for the key; None where the node must
     run opaque after all (a compiled region holding opaque objects)."""
-    if getattr(ctx._forward_cls, "_gradfx_traceable", False):
+    if promised_traceable(ctx._forward_cls):
         return ctx_key(ctx)
     from ..trace import aot_regions
     return aot_regions.ctx_key(ctx)
@@ -114,7 +115,7 @@ def function_materializes(ctx) -> bool:
 
 def region_ints(ctx):
     """The ints a traced compiled region's ctx saved (sizes), or None for other Functions."""
-    if getattr(ctx._forward_cls, "_gradfx_traceable", False):
+    if promised_traceable(ctx._forward_cls):
         return None
     from ..trace import aot_regions
     return aot_regions.saved_ints(ctx)

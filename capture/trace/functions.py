@@ -11,6 +11,8 @@ whose backward is plain tensor code can be marked traceable::
 and its backward is then traced into aten ops in the graph (ctx's saved tensors
 become graph inputs, its other attributes are part of the cache key), so a
 backend can fuse it.  A traced backward that fails on fake tensors runs opaquely.
+A custom op's ``register_autograd`` backward is traced the same way: torch requires it
+to be traceable.
 """
 
 from __future__ import annotations
@@ -22,6 +24,21 @@ def traceable(function_class):
     """Mark a custom autograd.Function so that gradfx traces its backward."""
     function_class._gradfx_traceable = True
     return function_class
+
+
+def promised_traceable(function_class) -> bool:
+    """Is this Function's backward promised traceable: marked with :func:`traceable`, or the
+    Function torch.library makes for a custom op's ``register_autograd``?  torch requires
+    that backward to be traceable (no ``data_ptr``, no global state read or written), the
+    promise ``traceable`` asks for; custom ops it calls stay calls of those ops."""
+    if getattr(function_class, "_gradfx_traceable", False):
+        return True
+    return (function_class.__module__ == _CUSTOM_OP_AUTOGRAD
+            and function_class.__name__.startswith("GeneratedBackwardFor_"))
+
+
+# Where torch.library builds a custom op's autograd.Function (torch 2.11-2.14).
+_CUSTOM_OP_AUTOGRAD = "torch._library.autograd"
 
 
 _orig_set_materialize_grads = FunctionCtx.set_materialize_grads
