@@ -668,3 +668,59 @@ def test_a_node_the_trace_ran_opaque_gets_its_object_from_the_one_call_walk(monk
     assert walker.lines is not walker  # the structure's hits ran as one C++ call
     (entry,) = cache.entries(cache.key(walker.structure))
     assert entry.release_after and entry.node_inputs  # the graph calls the node: it reads its object
+
+
+def test_a_repeated_walk_returns_its_last_sizes_while_they_repeat():
+    """The one-call walk hands back the list it made last time while the sizes are equal
+    (a new one with the new sizes when they change); the cache finds each size's entry."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 2))
+    for _ in range(2):
+        with gradfx.compiled_autograd(dynamic=False):
+            model(torch.randn(4, 8)).sum().backward()
+    walker = _walker()
+    plan = getattr(walker, "program", None)
+    # The one-call walk itself, where there is one (the walker may defer to its lines).
+    walk = walker if plan is None else lambda *args: native.module().program(args[0], args[1], plan)
+    found = []
+    for batch in (4, 4, 5, 5, 4):
+        loss = model(torch.randn(batch, 8)).sum()
+        nodes, owned, inputs, sizes, seq = walk((loss,), (torch.ones(()),), (), True)
+        found.append(sizes)
+        for o in owned:
+            if o is not None:
+                o.release()
+    assert [4 in s for s in found] == [True, True, False, False, True]
+    assert [5 in s for s in found] == [False, False, True, True, False]
+    if plan is not None:
+        assert found[0] is found[1] and found[2] is found[3] and found[1] is not found[2]
+    for batch in (4, 5, 4, 5):
+        torch.manual_seed(batch)
+        x = torch.randn(batch, 8)
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        with gradfx.compiled_autograd(dynamic=False):
+            model(x).sum().backward()
+        assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+
+
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_leaf_hook_added_after_capture_runs(hook):
+    """A leaf's new tensor hook makes the cached walk defer to its lines, which see it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    for _ in range(2):
+        with gradfx.compiled_autograd():
+            model(torch.randn(4, 8)).sum().backward()
+    calls = []
+    getattr(model[0].weight, hook)(lambda t: calls.append(t.clone()))
+    x = torch.randn(4, 8)
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    eager = calls.pop()
+    model.zero_grad(set_to_none=True)
+    with gradfx.compiled_autograd():
+        model(x).sum().backward()
+    assert len(calls) == 1 and torch.equal(calls[0], eager)

@@ -10,6 +10,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <array>
 #include <unordered_map>
@@ -68,6 +69,9 @@ struct Program {
   std::vector<std::array<int32_t, 3>> layout;
   std::vector<Held> held;
   int32_t n = 0;
+  // The sizes of the last call and the list returned for them (program's end says why).
+  mutable std::vector<int64_t> last_sizes;
+  mutable py::object last_sizes_list;
 };
 
 // A saved value's getter reads only the node its object points at.  Rather than make
@@ -433,8 +437,14 @@ bool value(PyObject* x, const Step& step, const Program& p, std::vector<int64_t>
   return same == 1;
 }
 
-// The leaf's tensor hooks: the lines' cheap condition (none), else they decide.
+// The leaf's tensor hooks: the lines' cheap condition (none), else they decide.  A plain
+// Tensor or Parameter's attributes are its fields, which their getters return (None for
+// an empty one; no __torch_function__ runs for these types); others go by attribute.
 bool no_tensor_hooks(PyObject* leaf) {
+  if (THPVariable_CheckExact(leaf)) {
+    const auto* v = reinterpret_cast<THPVariable*>(leaf);
+    return v->backward_hooks == nullptr && v->post_accumulate_grad_hooks == nullptr;
+  }
   static PyObject* backward = PyUnicode_InternFromString("_backward_hooks");
   static PyObject* post = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
   for (PyObject* name : {backward, post}) {
@@ -552,13 +562,24 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
     Py_INCREF(item);
     PyList_SET_ITEM(inputs.ptr(), k, item);
   }
-  py::list found_sizes(sizes.size());
-  for (size_t k = 0; k < sizes.size(); ++k) {
-    PyObject* number = PyLong_FromLongLong(sizes[k]);
-    if (number == nullptr) {
-      return nullptr;
+  // A training loop's sizes repeat: the list made for the last call answers an equal
+  // one (no one changes a walk's sizes once it has returned them), sparing an int
+  // object per size and, as cache.lookup tries identity first, their comparison.
+  py::object found_sizes;
+  if (p.last_sizes_list && sizes == p.last_sizes) {
+    found_sizes = p.last_sizes_list;
+  } else {
+    py::list made(sizes.size());
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      PyObject* number = PyLong_FromLongLong(sizes[k]);
+      if (number == nullptr) {
+        return nullptr;
+      }
+      PyList_SET_ITEM(made.ptr(), k, number);
     }
-    PyList_SET_ITEM(found_sizes.ptr(), k, number);
+    p.last_sizes = sizes;
+    p.last_sizes_list = made;
+    found_sizes = std::move(made);
   }
   py::object seq = py::reinterpret_steal<py::object>(gradfx_native::sequence_numbers(nodes));
   if (!seq) {

@@ -48,7 +48,7 @@ class GraphCache:
         # structure -> the gradients from opaque calls that were None when its graph last
         # stopped: the next backward uses (or captures) the graph traced so (an Assumed key)
         self.assumed_none: dict = {}
-        self._last = None  # (structure, sizes, entry) of the last lookup that found one
+        self._last = None  # (structure, its sizes, entry, the sizes list) of the last lookup that found one
 
     def lookup(self, structure, sizes):
         with self._lock:
@@ -56,7 +56,7 @@ class GraphCache:
             # A training loop finds the same entry each step: the last hit answers while
             # nothing was put, evicted or cleared since (any of them forgets it), sparing
             # the size tuple and its hash.
-            if last is not None and last[0] is structure and last[1] == sizes:
+            if last is not None and last[0] is structure and (last[3] is sizes or last[1] == sizes):
                 entry = last[2]
                 self._lru.move_to_end(id(entry))
                 return entry
@@ -68,7 +68,10 @@ class GraphCache:
                         break
             if entry is not None:
                 self._lru.move_to_end(id(entry))
-                self._last = (structure, list(sizes), entry)
+                # The sizes as they were, and the list itself: a one-call walk returns
+                # the same list while its sizes repeat (native/program.cpp), and a
+                # walk's sizes never change once returned.
+                self._last = (structure, list(sizes), entry, sizes)
             return entry
 
     def entries(self, structure) -> list:
