@@ -58,12 +58,28 @@ def _dense(t: torch.Tensor) -> bool:
     if t.is_contiguous():
         return True
     expected = 1
-    for d in sorted(range(t.dim()), key=t.stride):
+    for d in _by_stride(t):
         if t.shape[d] != 1:
             if t.stride(d) != expected:
                 return False
             expected *= t.shape[d]
     return True
+
+
+def _by_stride(t: torch.Tensor) -> list:
+    """The dims by increasing stride, ties in dim order (a stable sort), by comparisons
+    alone: dynamo cannot sort by symbolic keys (a leaf's strides under dynamic sizes),
+    but it guards comparisons."""
+    remaining = list(range(t.dim()))
+    order = []
+    while remaining:
+        best = remaining[0]
+        for d in remaining[1:]:
+            if t.stride(d) < t.stride(best):
+                best = d
+        remaining.remove(best)
+        order.append(best)
+    return order
 
 
 def _layout_ok(grad: torch.Tensor, variable: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ dynamo compile for all steps; and a backward called inside a ``torch.compile``'d
 training step is captured like any other.
 """
 
+import contextlib
 import copy
 import importlib
 import warnings
@@ -422,3 +423,34 @@ def test_backend_returning_wrong_gradients_writes_nothing():
         with gradfx.compiled_autograd(backend=backend):
             lin(torch.randn(2, 4)).sum().backward()
     assert all(torch.equal(p.grad, b) for p, b in zip(lin.parameters(), before))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "channels_last", "strided"])
+def test_a_non_contiguous_leaf_compiles_under_dynamic_sizes(layout):
+    """AccumulateGrad's layout contract checks a leaf's strides; a plain tensor leaf's
+    strides are symbolic under ``dynamic=True`` (a Parameter's are static), where dynamo
+    cannot sort by them: the check compares instead, and the graph compiles.  (A hook
+    keeps the accumulation inside the graph, where the check runs.)"""
+    torch.manual_seed(0)
+    make = {"transposed": lambda: torch.randn(6, 4).t(),
+            "channels_last": lambda: torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last),
+            "strided": lambda: torch.randn(4, 12)[:, ::2]}[layout]
+    leaf = make().requires_grad_()
+    eager_leaf = leaf.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    counter = CompileCounterWithBackend("aot_eager")
+    backend = lambda gm: torch.compile(gm, backend=counter, dynamic=True, fullgraph=True)  # noqa: E731
+    double = lambda g: g * 2  # noqa: E731  (one hook object: dynamo guards on it)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            weight = torch.randn(leaf.shape)
+            for x, block in ((eager_leaf, contextlib.nullcontext()), (leaf, gradfx.compiled_autograd(backend=backend))):
+                h = x * weight
+                h.register_hook(double)  # Python in the graph: the accumulation stays in it
+                with block as session:
+                    h.sin().sum().backward()
+            assert session.stats["uncompiled"] == 0 and session.stats["fallbacks"] == 0, session.stats
+            assert leaf.grad.stride() == eager_leaf.grad.stride()
+            torch.testing.assert_close(leaf.grad, eager_leaf.grad)
+    assert [str(w.message) for w in caught] == []
+    assert counter.frame_count == 2  # dynamo's graphs for .grad None (the first step) and set
