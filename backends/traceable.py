@@ -175,6 +175,8 @@ _live = _Live()
 _slots = itertools.count()
 _slot_outputs: dict[int, tuple] = {}  # slot -> ((ndim, dtype, device) per defined output)
 _slot_seen_none: dict[int, tuple] = {}  # slot -> edges without a next node whose None a post-hook sees
+_slot_calls: dict[int, object] = {}  # slot -> how the node runs where not call_node (NodeUnpacking)
+_slot_unpacks: dict[int, object] = {}  # slot -> the SavedUnpack of a traced node under the user's hooks
 _ops_defined = False
 
 
@@ -210,7 +212,7 @@ def _ops():
         edges = _edge_metas(node, metas)
         defined = (True,) * len(edges)  # a custom op cannot return None: say so by name
         call = runtime_ops.call_backward if isinstance(node, torch.autograd.function.BackwardCFunction) \
-            else runtime_ops.call_node
+            else _slot_calls.get(slot, runtime_ops.call_node)
         outs = call(node, edges, defined, *grads)
         result = []
         for k, out in enumerate(outs):
@@ -242,6 +244,37 @@ def _ops():
             at += ndim
         return out
 
+    @custom_op("gradfx::unpack_saved", mutates_args=())
+    def unpack_saved(slot: int) -> list[torch.Tensor]:
+        return _unpack_saved(slot)
+
+    @torch._dynamo.disable(recursive=True)  # the user's unpack hooks (a checkpoint's recomputation)
+    def _unpack_saved(slot):
+        with torch._C._ForceDispatchKeyGuard(*_live.keys):
+            unpack = _slot_unpacks[slot]
+            node = _live.nodes[slot]
+            values = unpack.unpack(node)
+        out = []
+        for value, want in zip(values, unpack.expected):
+            if want is None:
+                continue
+            if value is None or (tuple(value.shape), value.dtype, value.device) != (want[0], want[2], want[3]):
+                got = "None" if value is None else f"{list(value.shape)} ({value.dtype}, {value.device})"
+                raise RuntimeError(f"gradfx: the saved_tensors_hooks of {node.name()} unpacked {got} where the "
+                                   f"compiled graph was traced for {list(want[0])} ({want[2]}, {want[3]}); run this "
+                                   "backward with backend='eager'")
+            # A copy in the traced layout: the hook's tensor may share memory with a leaf
+            # (a checkpoint's recomputation saves weights detached), and a compiler may
+            # reuse an op's output buffer.
+            copy = torch.empty_strided(want[0], want[1], dtype=want[2], device=want[3])
+            out.append(copy.copy_(value))
+        return out
+
+    @unpack_saved.register_fake
+    def _(slot):
+        return [torch.empty_strided(want[0], want[1], dtype=want[2], device=want[3])
+                for want in _slot_unpacks[slot].expected if want is not None]
+
     @custom_op("gradfx::accumulate_grad", mutates_args=())
     def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, may_steal: bool) -> None:
         accumulate(variable, grad, may_steal, variable.grad_dtype)  # runs outside dynamo
@@ -252,6 +285,7 @@ def _ops():
 
     # Ordered side effects: compilers must neither drop nor reorder the calls.
     _register_effectful_op(torch.ops.gradfx.run_node.default, EffectType.ORDERED)
+    _register_effectful_op(torch.ops.gradfx.unpack_saved.default, EffectType.ORDERED)
     _register_effectful_op(torch.ops.gradfx.accumulate_grad.default, EffectType.ORDERED)
     _ops_defined = True
     return torch.ops.gradfx
@@ -383,6 +417,12 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
                 adapter.contexts.append(position[node.args[0]])
         elif node.target is runtime_ops.call_node:
             _as_custom_op(graph, node, adapter, position, example_inputs[position[node.args[0]]])
+        elif isinstance(node.target, runtime_ops.NodeUnpacking):
+            python_reads = True  # the user's unpack hooks
+            _as_custom_op(graph, node, adapter, position, example_inputs[position[node.args[0]]], node.target)
+        elif isinstance(node.target, runtime_ops.SavedUnpack):
+            python_reads = True
+            _as_unpack_op(graph, node, adapter, position)
         elif node.target is runtime_ops.release_saved:
             graph.erase_node(node)  # compiled code takes no live nodes: released after the run
         elif node.target is runtime_ops.require_gradients:
@@ -481,10 +521,32 @@ def _leaves_unneeded_none(autograd_node) -> bool:
     return name not in _GROUPED_OUTPUTS and not name.startswith("Foreach")
 
 
-def _as_custom_op(graph, node, adapter, position, autograd_node):
-    """call_node / call_backward(node, metas, must_be_defined, *grads) -> run_node(slot, grads, sizes)."""
+def _as_unpack_op(graph, node, adapter, position) -> None:
+    """SavedUnpack(node, grads, carry) -> unpack_saved(slot): the tensors the hooks unpacked,
+    without the graph's stop (compiled code runs whole), copied into the traced layouts."""
+    op = _ops().unpack_saved.default
+    slot = next(_slots)
+    _slot_unpacks[slot] = node.target
+    adapter.slots.append((position[node.args[0]], slot))
+    index, k = {}, 0
+    for j, want in enumerate(node.target.expected):
+        if want is not None:
+            index[j], k = k, k + 1
+    with graph.inserting_before(node):
+        call = graph.call_function(op, (slot,))
+    call.meta.update(node.meta)
+    for user in list(node.users):  # getitem j -> the j-th defined tensor
+        user.args = (call, index[user.args[1]])
+    graph.erase_node(node)
+
+
+def _as_custom_op(graph, node, adapter, position, autograd_node, call=None):
+    """call_node / call_backward(node, metas, must_be_defined, *grads) -> run_node(slot, grads, sizes)
+    (``call``: how the node runs, where not call_node)."""
     op = _ops().run_node.default
     slot = next(_slots)
+    if call is not None:
+        _slot_calls[slot] = call
     live, metas, _, *grads = node.args
     by_edge = {user.args[1]: user for user in node.users}  # getitem of edge k
     # An output for an edge without a next node, which a post-hook sees: its shape is

@@ -61,6 +61,21 @@ def _transformer_hooked():
     return model
 
 
+class _Checkpointed(nn.Module):
+    """Each layer of the transformer under a non-reentrant torch.utils.checkpoint (its saved
+    tensors under checkpoint's hooks, its forward recomputed in the backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = _transformer().layers
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return x
+
+
 def _cnn():
     def block(cin, cout, stride):
         return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
@@ -158,6 +173,8 @@ MODELS = {
     "cnn": (_cnn, (16, 3, 32, 32), (12, 3, 32, 32), _randn, _sum_loss, False),
     # the transformer with register_full_backward_hook on each of its 2 layers
     "transformer_hooked": (_transformer_hooked, (8, 32, 128), (8, 24, 128), _randn, _sum_loss, False),
+    # the transformer with each layer under a non-reentrant checkpoint
+    "transformer_checkpointed": (_Checkpointed, (8, 32, 128), (8, 24, 128), _randn, _sum_loss, False),
     # GPT-2 and Llama (rotary, sdpa): 2 layers, hidden 64, vocabulary 128, batch 8 x 32 tokens
     "gpt2": (_gpt2, (8, 32), (8, 24), _ids, _lm_loss, True),
     "llama": (_llama, (8, 32), (8, 24), _ids, _lm_loss, True),

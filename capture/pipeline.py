@@ -37,6 +37,7 @@ class Capture:
     opaque: list  # labels of the autograd nodes run as the real node
     dynamic_positions: set = frozenset()  # every non-static position: those above and their products
     frontiers: list = ()  # where the graph may stop and hand over to run.continuation
+    unpacks: bool = False  # it unpacks saved tensors under the user's hooks itself (graph.unpacked)
     compiled: object = None  # what ``compile`` returned
 
     @property
@@ -45,9 +46,10 @@ class Capture:
 
 
 def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=None, grad_inputs=(),
-                 keep_code: bool = False, compile=None, assumed_none=frozenset()) -> Capture:
+                 keep_code: bool = False, compile=None, assumed_none=frozenset(), learner=None) -> Capture:
     """Trace ``call`` (symbolic at ``dynamic_positions``, position -> symbol group;
-    static if that trace fails; gradients of opaque calls at ``assumed_none`` as None),
+    static if that trace fails; gradients of opaque calls at ``assumed_none`` as None;
+    saved tensors under the user's hooks as ``learner`` knows them: graph.unpacked),
     run ``passes``, wrap the result and ``compile(gm, example_inputs)`` it if given.
     Raises ``_Fallback`` if it cannot be traced."""
     from .trace.shapes import Guard, SymbolicSizes  # sympy and fake tensors: not at import
@@ -68,7 +70,7 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
                     symbolic = None
                     call.kinds = [r.kind for r in call.records]
             if trace is None:
-                trace = _trace_static(call, assumed_none)
+                trace = _trace_static(call, assumed_none, learner)
             describe = lambda p: explain.describe_position(call, p)  # noqa: E731
             guard = symbolic.guard(describe) if symbolic is not None else Guard.static(call.sizes)
             size_positions = symbolic.positions if symbolic is not None else []
@@ -85,7 +87,8 @@ def capture_call(call: BackwardCall, dynamic_positions: dict, passes, *, names=N
             log.info("gradfx: captured %d autograd nodes into %d fx nodes (%d opaque) in %.1f ms",
                      len(call.nodes), len(gm.graph.nodes), len(trace.opaque), (time.perf_counter() - start) * 1e3)
             made = Capture(graph, guard, size_positions, examples, trace.opaque,
-                           symbolic.dynamic if symbolic is not None else frozenset(), trace.frontiers)
+                           symbolic.dynamic if symbolic is not None else frozenset(), trace.frontiers,
+                           trace.unpacks)
             if compile is not None:
                 made.compiled = compile(gm, examples)
     except BaseException:
@@ -114,10 +117,10 @@ def _collector_paused():
         gc.enable()
 
 
-def _trace_static(call: BackwardCall, assumed_none):
+def _trace_static(call: BackwardCall, assumed_none, learner):
     from .trace.tracer import trace_backward
     try:
-        return trace_backward(call, None, assumed_none)
+        return trace_backward(call, None, assumed_none, learner)
     except _Fallback:
         raise
     except Exception as err:

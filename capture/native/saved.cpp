@@ -20,6 +20,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include <ATen/SavedTensorHooks.h>
+
 #include <memory>
 #include <vector>
 
@@ -319,7 +321,74 @@ PyMethodDef saved_def = {"saved", GRADFX_FASTCALL(saved_fastcall), METH_FASTCALL
 
 }  // namespace
 
+namespace {
+
+// with_saved(raws, tensors, fn, args): ``fn(*args)`` while the saved variables ``raws``
+// (a builtin node's ``_raw_saved_*`` objects) hold ``tensors`` instead (None: undefined),
+// each as a plain SavedVariable without hooks, so that the node's formula reads those and
+// calls no unpack hook; the variables are as they were afterwards, whatever ``fn`` did.
+// For a node whose saved tensors are under the user's saved_tensors_hooks: gradfx unpacks
+// them itself, once and in the node's order (capture/graph/unpacked.py), then runs the
+// formula on what the hooks gave (for real) or on fakes of it (while tracing).
+py::object with_saved(const py::tuple& raws, const py::tuple& tensors, const py::object& fn,
+                      const py::tuple& args) {
+  const size_t n = raws.size();
+  if (tensors.size() != n) {
+    throw std::invalid_argument("with_saved: as many tensors as saved variables");
+  }
+  std::vector<SavedVariable*> vars;
+  std::vector<at::Tensor> values(n);
+  for (size_t k = 0; k < n; ++k) {
+    vars.push_back(raws[k].cast<SavedVariable*>());
+    for (size_t j = 0; j < k; ++j) {
+      if (vars[j] == vars[k]) {
+        throw std::invalid_argument("with_saved: a saved variable given twice");
+      }
+    }
+    PyObject* t = tensors[k].ptr();
+    if (t != Py_None) {
+      if (!THPVariable_Check(t)) {
+        throw std::invalid_argument("with_saved: tensors are tensors or None");
+      }
+      values[k] = THPVariable_Unpack(t);
+    }
+  }
+  std::vector<SavedVariable> kept(n);
+  size_t swapped = 0;
+  auto restore = [&]() {
+    for (size_t k = 0; k < swapped; ++k) {
+      *vars[k] = std::move(kept[k]);
+    }
+    swapped = 0;
+  };
+  // A saved_tensors_hooks context around the backward must not pack the stand-ins.
+  const bool was_tracing = at::SavedTensorDefaultHooks::set_tracing(true);
+  try {
+    for (; swapped < n; ++swapped) {
+      SavedVariable fresh = values[swapped].defined() ? SavedVariable(values[swapped], false) : SavedVariable();
+      kept[swapped] = std::move(*vars[swapped]);
+      *vars[swapped] = std::move(fresh);
+    }
+  } catch (...) {
+    at::SavedTensorDefaultHooks::set_tracing(was_tracing);
+    restore();
+    throw;
+  }
+  at::SavedTensorDefaultHooks::set_tracing(was_tracing);
+  try {
+    py::object out = fn(*args);
+    restore();
+    return out;
+  } catch (...) {
+    restore();
+    throw;
+  }
+}
+
+}  // namespace
+
 void add_saved(py::module_& m) {
+  m.def("with_saved", &with_saved, "fn(*args) with a node's saved variables holding the given tensors");
   for (PyMethodDef* def : {&offsets_def, &saved_def}) {
     m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_New(def, nullptr));
   }

@@ -27,11 +27,14 @@ DEFAULT_SIZE = 128
 
 @dataclass(frozen=True)
 class Assumed:
-    """The key of a graph traced with some gradients from opaque calls as None
-    (``none``: (node index, input) pairs), for a structure whose graph stopped there."""
+    """The key of a graph traced with what earlier backwards of its structure found: some
+    gradients from opaque calls None (``none``: (node index, input) pairs, where a graph
+    stopped), the layouts of saved tensors the user's hooks unpacked (``unpacked``:
+    (node index, metas) pairs, graph.unpacked)."""
 
     base: object  # the structure
     none: frozenset
+    unpacked: tuple = ()
 
 
 class GraphCache:
@@ -48,6 +51,9 @@ class GraphCache:
         # structure -> the gradients from opaque calls that were None when its graph last
         # stopped: the next backward uses (or captures) the graph traced so (an Assumed key)
         self.assumed_none: dict = {}
+        # structure -> {node index: layouts of the saved tensors its unpack hooks gave}
+        self.unpacked: dict = {}
+        self.assumes = False  # either of the two holds anything: keys are looked up
         self._last = None  # (structure, its sizes, entry, the sizes list) of the last lookup that found one
 
     def lookup(self, structure, sizes):
@@ -125,11 +131,22 @@ class GraphCache:
                 self._forget(structure)
 
     def key(self, structure):
-        """The key to look ``structure`` up by: its Assumed key where its graph stopped."""
-        if not self.assumed_none:  # every backward asks: no hashing in the common case
+        """The key to look ``structure`` up by: its Assumed key where earlier backwards found
+        something (a graph stopped, hooks unpacked saved tensors)."""
+        if not self.assumes:  # every backward asks: no hashing in the common case
             return structure
         none = self.assumed_none.get(structure)
-        return structure if none is None else Assumed(structure, none)
+        unpacked = self.unpacked.get(structure)
+        if none is None and not unpacked:
+            return structure
+        return Assumed(structure, none or frozenset(), tuple(sorted(unpacked.items())) if unpacked else ())
+
+    def learn(self, base, i: int, metas: tuple) -> None:
+        """A backward of ``base`` found node ``i``'s saved tensors unpacked with these layouts:
+        the next backward takes (or captures) the graph traced with them."""
+        with self._lock:
+            self.unpacked.setdefault(base, {})[i] = metas
+            self.assumes = True
 
     def stopped(self, key, node: int, checked: tuple, none: frozenset) -> None:
         """A graph of ``key`` stopped at ``node``, whose gradients at ``checked`` came from
@@ -141,9 +158,14 @@ class GraphCache:
                 self.assumed_none[base] = assumed
             else:
                 self.assumed_none.pop(base, None)
+            self.assumes = bool(self.assumed_none or self.unpacked)
 
     def _forget(self, structure) -> None:
-        self.assumed_none.pop(structure.base if isinstance(structure, Assumed) else structure, None)
+        base = structure.base if isinstance(structure, Assumed) else structure
+        if not any(self._per_structure.get(k) for k in self._related(base) if k != structure):
+            self.assumed_none.pop(base, None)
+            self.unpacked.pop(base, None)
+            self.assumes = bool(self.assumed_none or self.unpacked)
         del self._per_structure[structure]
         self.last_sizes.pop(structure, None)
         self.dynamic_positions.pop(structure, None)
@@ -163,6 +185,12 @@ class GraphCache:
         self.last_sizes.clear()
         self.dynamic_positions.clear()
         self.assumed_none.clear()
+        self.unpacked.clear()
+        self.assumes = False
+
+    def _related(self, base) -> list:
+        """The keys of ``base`` that hold entries: itself and its Assumed keys."""
+        return [k for k in self._per_structure if k == base or (isinstance(k, Assumed) and k.base == base)]
 
     def __len__(self) -> int:
         return len(self._lru)

@@ -23,16 +23,21 @@ import weakref
 
 from torch.autograd.function import BackwardCFunction
 
+from ..graph import unpacked
 from ..graph.kinds import ACCUMULATE, type_info
-from ..graph.saved import SavedTensors, left_to_node
+from ..graph.saved import ForeignOwned, SavedTensors, left_to_node
 from ..trace import engine_loop
 from . import hook_ops, runtime_ops
 
 
 def finish(call, frontier: engine_loop.Frontier, stop: runtime_ops.Diverged, keep_graph: bool,
-           kept: "Kept") -> tuple:
-    """Run the rest of ``call`` from where its graph stopped; returns the captured gradients."""
-    runner = _Runner(call, kept, keep_graph)
+           kept: "Kept", learner=None) -> tuple:
+    """Run the rest of ``call`` from where its graph stopped; returns the captured gradients.
+    Nodes under the user's saved-tensor hooks run with gradfx unpacking for them, the one
+    the graph stopped at on what it unpacked (``stop.values``), telling ``learner``."""
+    runner = _Runner(call, kept, keep_graph, learner)
+    if isinstance(stop, runtime_ops.UnpackedOtherwise):
+        runner.unpacked[frontier.node] = stop.values
     state = engine_loop.EngineState.at_frontier(call, frontier, stop.carry)
     return tuple(engine_loop.drain(runner, state, resume=(frontier.node, list(stop.grads))))
 
@@ -98,8 +103,10 @@ class Kept:
 class _Runner:
     """engine_loop's steps, run for real on the live nodes."""
 
-    def __init__(self, call, kept: "Kept", keep_graph: bool):
+    def __init__(self, call, kept: "Kept", keep_graph: bool, learner=None):
         self.call = call
+        self.learner = learner
+        self.unpacked: dict = {}  # node index -> its saved tensors, unpacked by the graph that stopped
         self.by_pos = kept.by_position()  # input position -> hook, node, leaf or retained tensor
         self.kept = kept
         self.kinds = list(call.kinds)  # every node left runs as the real node
@@ -136,6 +143,11 @@ class _Runner:
             # held the tensors): they are given back for the real node to unpack.
             owner.tensors.extend(self.kept.saved_of(self.call, i))  # in place: the pack hooks hold it
             owner.released = False
+        if type(owner) is ForeignOwned:
+            plan = unpacked.plan(node, type_info(type(node)))
+            if plan is not None:  # as the graph would have: gradfx unpacks, once, in the node's order
+                return list(runtime_ops.run_unpacking(node, metas, (False,) * len(metas), plan, self.learner, i,
+                                                      grads, self.unpacked.pop(i, None)))
         run = runtime_ops.call_backward if isinstance(node, BackwardCFunction) else runtime_ops.call_node
         return list(run(node, metas, (False,) * len(metas), *grads))
 

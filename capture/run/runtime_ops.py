@@ -16,7 +16,7 @@ from torch.autograd.variable import Variable
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .. import native
-from ..graph import hooks
+from ..graph import hooks, unpacked
 from ..graph.saved import release_variables
 from . import hook_ops
 
@@ -235,6 +235,62 @@ def call_node(node, metas, must_be_defined, *grads):
     return finish_outputs(node.name(), out if type(out) is tuple else (out,), metas, must_be_defined)
 
 
+class NodeUnpacking:
+    """``call_node`` for a builtin node whose saved tensors are under the user's
+    saved_tensors_hooks, gradfx doing its unpacks (graph.unpacked): the hooks run once each,
+    in the node's order, inside the node, and ``learner`` hears the layouts they gave.  One
+    per node of a graph (what it knows of the node is no argument a graph could print)."""
+
+    __name__ = "call_node_unpacking"
+
+    def __init__(self, plan, learner, i: int):
+        self.plan, self.learner, self.i = plan, learner, i
+
+    def __call__(self, node, metas, must_be_defined, *grads):
+        return run_unpacking(node, metas, must_be_defined, self.plan, self.learner, self.i, grads, None)
+
+
+def run_unpacking(node, metas, must_be_defined, plan, learner, i, grads, values):
+    """Run node ``i`` as the engine would, gradfx unpacking its saved tensors for it (``values``:
+    unpacked already, where a graph stopped right after unpacking them: SavedUnpack)."""
+    if values is None and native.module() is None:  # turned off since the capture: the node unpacks
+        return call_node(node, metas, must_be_defined, *grads)
+
+    def run(*grads):
+        found = unpacked.unpack(node, plan) if values is None else values
+        if learner is not None:
+            learner.learned(i, found)
+        return unpacked.with_saved(node, plan, found, node, grads)
+    out = _as_node(node, run, grads)
+    return finish_outputs(node.name(), out if type(out) is tuple else (out,), metas, must_be_defined)
+
+
+class SavedUnpack:
+    """The saved tensors of a traced node under the user's hooks, unpacked where the node runs
+    (the hooks run here, in the node's order): passed on if laid out as ``expected`` (the
+    trace's), else the graph stops here (UnpackedOtherwise), handing them over with what the
+    rest of the backward needs."""
+
+    __name__ = "unpack_saved"
+
+    def __init__(self, attrs: tuple, expected: tuple, frontier: int):
+        self.attrs, self.expected, self.frontier = attrs, expected, frontier
+
+    def unpack(self, node) -> tuple:
+        previous = hook_ops.running_node(node)
+        try:
+            return tuple(getattr(node, attr) for attr in self.attrs)
+        finally:
+            hook_ops.done_running(previous)
+
+    def __call__(self, node, grads: tuple, carry: tuple) -> tuple:
+        values = self.unpack(node)
+        for value, want in zip(values, self.expected):
+            if unpacked.meta(value) != want:
+                raise UnpackedOtherwise(self.frontier, grads, carry, values)
+        return values
+
+
 def call_backward(ctx, metas, must_be_defined, *grads):
     """Run a custom Function's backward with its real ctx, as the engine's PyNode does.
 
@@ -427,6 +483,15 @@ class Diverged(Exception):
     def __init__(self, frontier: int, grads: tuple, carry: tuple):
         super().__init__("gradfx: a gradient turned out None where the captured graph traced a tensor")
         self.frontier, self.grads, self.carry = frontier, grads, carry
+
+
+class UnpackedOtherwise(Diverged):
+    """Saved tensors the user's hooks unpacked are laid out otherwise than the graph was
+    traced for: the graph stops, and the node runs on them (see run.continuation)."""
+
+    def __init__(self, frontier: int, grads: tuple, carry: tuple, values: tuple):
+        super().__init__(frontier, grads, carry)
+        self.values = values
 
 
 def require_gradients(grads: tuple, defined: tuple, none: tuple, frontier: int, carry: tuple) -> tuple:

@@ -29,9 +29,10 @@ from . import continuation, counters, hook_ops, routing, self_check
 from .cache import Assumed, cache
 from ..view.captured_graph import CapturedGraph
 from ..errors import FallbackWarning, Unsupported, _Fallback
-from .runtime_ops import Diverged, WrongGradient
+from .runtime_ops import Diverged, UnpackedOtherwise, WrongGradient
 from ..stacklevel import user_stacklevel
 from ..graph.saved import ForeignHooks, left_to_node
+from ..graph.unpacked import Learner
 from ..view import explain
 from ..graph.kinds import OPAQUE
 from ..graph.walk import BackwardCall, walk_backward
@@ -82,7 +83,8 @@ class CompiledBackward:
     """A cache entry: the compiled callable plus what running it needs."""
 
     __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
-                 "verified", "failed", "output_specs", "frontiers", "stopped", "kept", "key", "node_inputs", "release_split")
+                 "verified", "failed", "output_specs", "frontiers", "stopped", "kept", "key", "node_inputs", "release_split",
+                 "learner")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
                  guard, size_positions=(), failed=None, output_specs=None, frontiers=()):
@@ -115,6 +117,9 @@ class CompiledBackward:
         self.node_inputs = ()
         # (owner places, released before the graph, after it) for a walker's calls
         self.release_split = None
+        # Where its unpacks of saved tensors under the user's hooks report what they found
+        # (graph.unpacked; None: a graph that unpacks none itself).
+        self.learner = None
 
 
 class _Config:
@@ -257,7 +262,7 @@ class Session:
             call = walk_backward(tensors, grad_tensors, inputs, accumulate_grad, create_graph,
                                  take_functions=not self._config.plain_graph)
             structure = (call.key, config)
-        key = cache.key(structure) if cache.assumed_none else structure  # cache.key, its common case inline
+        key = cache.key(structure) if cache.assumes else structure  # cache.key, its common case inline
         entry = cache.lookup(key, call.sizes)
         if entry is None:
             if type(call.nodes) is not list or any(left_to_node(o) for o in call.owned):
@@ -290,10 +295,15 @@ class Session:
         """Capture and compile ``call``; ``structure`` is its cache key (an Assumed key for
         a graph traced with the gradients its last stop found None as None)."""
         recapture = cache.known(structure)
+        base = structure.base if isinstance(structure, Assumed) else structure
         assumed = structure.none if isinstance(structure, Assumed) else frozenset()
+        unpacked = dict(structure.unpacked) if isinstance(structure, Assumed) else {}
         if assumed and not recapture:
             log.info("gradfx: capturing again with %d gradients from opaque calls as None, as the last "
                      "backward found them", len(assumed))
+        elif unpacked and not recapture:
+            log.info("gradfx: capturing again with the saved tensors of %d nodes laid out as their "
+                     "saved_tensors_hooks unpacked them", len(unpacked))
         elif recapture:
             self._count("recaptures")
             if log.isEnabledFor(logging.INFO):
@@ -303,8 +313,10 @@ class Session:
                                              symbolic=cache.dynamic_positions.get(structure, ())))
         else:
             explain.log_structure_miss(call)
+        learner = Learner(base, unpacked)
         made = pipeline.capture_call(call, self._dynamic_positions(call, structure), self.passes,
                                      names=self.names, grad_inputs=grad_inputs, assumed_none=assumed,
+                                     learner=learner,
                                      compile=self._compile_with_history if call.create_graph else self._compile)
         captured, guard = made.graph, made.guard
         compiled, failed = made.compiled
@@ -323,8 +335,9 @@ class Session:
         if made.dynamic_positions:
             cache.dynamic_positions[structure] = made.dynamic_positions
         entry.key = structure
+        entry.learner = learner if made.unpacks else None
         cache.put(structure, call.sizes, entry, dynamic=bool(made.size_positions))
-        self._add_fast_walker(call, structure.base if assumed else structure, tensors)
+        self._add_fast_walker(call, base, tensors)
         return entry
 
     def _add_fast_walker(self, call, structure, tensors) -> None:
@@ -448,10 +461,15 @@ class Session:
         # its rest at Python speed.
         level = logging.DEBUG if stop.frontier in entry.stopped else logging.INFO
         entry.stopped.add(stop.frontier)
-        log.log(level, "gradfx: %s gets None where the graph traced a gradient, or a gradient "
-                "where it traced None; the rest of this backward runs node by node",
-                call.node_label(frontier.node))
-        out = continuation.finish(call, frontier, stop, keep_graph, kept)
+        if isinstance(stop, UnpackedOtherwise):
+            log.log(level, "gradfx: the saved_tensors_hooks of %s unpacked tensors laid out otherwise than the "
+                    "graph was traced for; the rest of this backward runs node by node",
+                    call.node_label(frontier.node))
+        else:
+            log.log(level, "gradfx: %s gets None where the graph traced a gradient, or a gradient "
+                    "where it traced None; the rest of this backward runs node by node",
+                    call.node_label(frontier.node))
+        out = continuation.finish(call, frontier, stop, keep_graph, kept, entry.learner)
         # The next backward of this structure takes (or captures) the graph traced
         # with what this one found.
         cache.stopped(entry.key, frontier.node, frontier.checked,

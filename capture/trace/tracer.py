@@ -41,7 +41,8 @@ from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, TAKES_NONE, ap
 from .rules_builtin import copy_slices
 from .shapes import SymbolicSizes
 from ..graph import hidden as graph_hidden
-from ..graph.saved import substitute, substituted
+from ..graph import unpacked
+from ..graph.saved import ForeignOwned, substitute, substituted
 from ..graph.kinds import ACCUMULATE, REGION_INTS, type_info
 from ..graph.walk import BackwardCall
 from ..errors import _Fallback
@@ -55,6 +56,7 @@ class Trace:
     opaque: list  # labels of nodes that run opaquely
     seconds: float
     frontiers: list  # per continuation point of the graph (require_gradients): its Frontier
+    unpacks: bool = False  # it unpacks saved tensors under the user's hooks itself (graph.unpacked)
 
 
 # Nodes whose fake-tensor kernels guard on sizes only to pick an output memory
@@ -111,9 +113,15 @@ _UNSHAPED = _Unshaped(None)  # ``like`` of such an output (python_call binds a n
 
 
 class _Tracer:
-    def __init__(self, call: BackwardCall, symbolic: SymbolicSizes | None, assumed_none=frozenset()):
+    def __init__(self, call: BackwardCall, symbolic: SymbolicSizes | None, assumed_none=frozenset(), learner=None):
         self.call = call
         self.symbolic = symbolic
+        # Saved tensors under the user's hooks are unpacked by the graph itself in static
+        # traces (graph.unpacked): their layouts are known only as a static backward found
+        # them, and a symbolic graph would learn one layout per size.
+        self.learner = learner if symbolic is None and not call.create_graph else None
+        self.unpacks = False
+        self.state = None  # the engine state of the step being traced (for frontiers)
         # (node index, input): gradients from opaque calls that were None when an earlier
         # graph of this structure stopped; traced as None this time (checked at run time).
         self.assumed_none = assumed_none
@@ -434,6 +442,7 @@ class _Tracer:
         """One task of the ready queue; every fx node it records is labelled with the node."""
         graph = self.tracer.graph
         marker = graph._root.prev
+        self.state = state
         engine_loop.run_one(self, state, i)
         label = self.call.node_label(i)
         node = marker.next
@@ -599,6 +608,11 @@ class _Tracer:
 
     def run_opaque(self, i, node, grads, node_input):
         """Record a call of the real node (builtin) or of the user's backward (Function)."""
+        plan = self.unpack_plan(i, node)
+        if plan is not None:
+            out = self.run_unpacked(i, node, grads, plan)
+            if out is not None:
+                return out
         label = self.call.node_label(i)
         self.opaque.append(label)
         metas, like = [], []
@@ -625,8 +639,11 @@ class _Tracer:
             grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1], device=self.meta(i, k)[2])
                      if g is None and k not in stand_ins else g for k, g in enumerate(grads)]
         fn = runtime_ops.call_backward if function else runtime_ops.call_node
-        outs = self.python_call(fn, (_Input(node_input), tuple(metas), (False,) * len(metas)) + tuple(grads),
-                                tuple(like), label, "opaque")
+        head = (_Input(node_input), tuple(metas), (False,) * len(metas))
+        if plan is not None:  # gradfx unpacks for it, and learns what the hooks gave
+            fn = runtime_ops.NodeUnpacking(plan, self.learner, i)
+            self.unpacks = True
+        outs = self.python_call(fn, head + tuple(grads), tuple(like), label, "opaque")
         call = self.last_call
         call.meta["gradfx_node_index"] = i
         if function and self.call.owned[i] is not None:
@@ -637,11 +654,51 @@ class _Tracer:
                 self.keep.append(o)
         return outs
 
+    # -- saved tensors under the user's hooks (graph.unpacked) -------------------
+    def unpack_plan(self, i, node):
+        """The unpack plan of node ``i`` if the graph unpacks its saved tensors itself: a
+        builtin node under the user's saved_tensors_hooks, in a static trace."""
+        if self.learner is None or type(self.call.owned[i]) is not ForeignOwned:
+            return None
+        return unpacked.plan(node, type_info(type(node)))
+
+    def run_unpacked(self, i, node, grads, plan):
+        """Node ``i``'s formula traced on fakes of the saved tensors as the last backward
+        unpacked them; the graph unpacks them at this point and checks their layouts (a
+        stop where one differs).  None where it cannot be traced so: the node then runs
+        for real, gradfx unpacking for it (call_node_unpacking)."""
+        metas = self.learner.known.get(i)
+        if (not unpacked.fits(metas) or type(node).__name__ in HIDDEN_RULES or self.runs_real(i)
+                or any(g is not None and id(g) in self.maybe_none for g in grads)):
+            log.debug("gradfx: %s runs for real, gradfx unpacking for it (%s)", self.call.node_label(i),
+                      "layouts unknown" if not unpacked.fits(metas) else "gradients from opaque calls")
+            return None
+        graph = self.tracer.graph
+        before = (graph._root.prev, len(self.shape_env.guards))
+        frontier, carry = self.frontier(i, self.state, ())
+        self.frontiers.append(frontier)
+        try:
+            like = tuple(None if m is None else self.new_fake(m[0], m[1], m[2], m[3]) for m in metas)
+            values = self.python_call(runtime_ops.SavedUnpack(plan.attrs, metas, len(self.frontiers) - 1),
+                                      (_Input(self.call.records[i].node_input), tuple(grads), tuple(carry)),
+                                      like, self.call.node_label(i), "hook")
+            out = unpacked.with_saved(node, plan, values, node, tuple(grads))
+            out = out if type(out) is tuple else (out,)
+            out = self.validate(node, out, self.call.records[i].edges)
+        except Exception as err:
+            self.frontiers.pop()
+            self.undo(before, i, err)
+            return None
+        self.unpacks = True
+        return out
+
     def release_saved(self, i, node):
         """After a node run opaquely (and its post-hooks): free its saved tensors now,
         as the engine does, unless the backward keeps its graph (decided at run time).
         Not for saved tensors freed on access: their handles are gone by then."""
         raw = type_info(type(node)).raw_saved
+        if type(self.call.owned[i]) is ForeignOwned:
+            return  # the user's hooks keep them (saved.release_variables leaves those alone)
         if raw and not getattr(getattr(node, "_forward_cls", None), "clear_saved_tensors_on_access", False):
             self.python_call(runtime_ops.release_saved, (_Input(self.call.records[i].node_input), raw), None,
                              self.call.node_label(i), "opaque")
@@ -716,18 +773,20 @@ def _same_sizes(got, expected) -> bool:
     return True
 
 
-def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None, assumed_none=frozenset()) -> Trace:
+def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None, assumed_none=frozenset(),
+                   learner=None) -> Trace:
     """Record ``call`` into an fx graph (sizes symbolic where ``symbolic`` says; the
-    formula inputs ``assumed_none`` names as None: see _Tracer.formula_inputs)."""
+    formula inputs ``assumed_none`` names as None: see _Tracer.formula_inputs; saved
+    tensors under the user's hooks as ``learner`` knows them: _Tracer.run_unpacking)."""
     start = time.perf_counter()
     if symbolic is None:
-        return _trace(call, symbolic, start, assumed_none)
+        return _trace(call, symbolic, start, assumed_none, learner)
     with _plain_tensor_meta.active(), sym_memo.memoized(symbolic.shape_env):
-        return _trace(call, symbolic, start, assumed_none)
+        return _trace(call, symbolic, start, assumed_none, learner)
 
 
-def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float, assumed_none) -> Trace:
-    t = _Tracer(call, symbolic, assumed_none)
+def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float, assumed_none, learner) -> Trace:
+    t = _Tracer(call, symbolic, assumed_none, learner)
     fakes = t.placeholders()
     grads = fakes[: len(call.roots)]
     table = {}
@@ -756,7 +815,7 @@ def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float, ass
     if not call.create_graph:  # under grad mode AccumulateGrad never steals
         _mark_steals(t.tracer.graph)
     t.tracer.graph._gradfx_create_graph = call.create_graph
-    return Trace(t.tracer.graph, t.opaque, time.perf_counter() - start, t.frontiers)
+    return Trace(t.tracer.graph, t.opaque, time.perf_counter() - start, t.frontiers, t.unpacks)
 
 
 def _extract_plainly(original):
