@@ -423,7 +423,7 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
         elif isinstance(node.target, runtime_ops.SavedUnpack):
             python_reads = True
             _as_unpack_op(graph, node, adapter, position)
-        elif node.target is runtime_ops.release_saved:
+        elif node.target is runtime_ops.release_saved or node.target is runtime_ops.release_hooked:
             graph.erase_node(node)  # compiled code takes no live nodes: released after the run
         elif node.target is runtime_ops.require_gradients:
             _pass_gradients_on(graph, node)

@@ -9,7 +9,12 @@ memory events (``--profiler``) gave peaks that varied from run to run for eager 
 gradfx alike (frees of blocks allocated before the window landing in it unevenly), so
 they are kept only as a fallback where no compiler is found.
 
-Usage: python bench/bench_memory.py [--batch 512] [--width 1024] [--layers 4] [--profiler]
+``--checkpoint half`` (or ``all``) runs every other block (or every block) under a
+non-reentrant ``torch.utils.checkpoint``: saved tensors under checkpoint's hooks beside
+plain ones (capture/graph/unpacked.py).
+
+Usage: python bench/bench_memory.py [--batch 512] [--width 1024] [--layers 4] [--checkpoint none|half|all]
+       [--profiler]
 """
 
 from __future__ import annotations
@@ -139,11 +144,23 @@ def peak_bytes(run) -> int:
     return peak
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--checkpoint", choices=["none", "half", "all"], default="none",
+                   help="run every other block (half) or every block (all) under a non-reentrant checkpoint")
     p.add_argument("--profiler", action="store_true", help="measure with the profiler's memory events")
     args = p.parse_args()
     counter = None if args.profiler else counting_allocator()
@@ -151,8 +168,10 @@ def main():
         counter.install()  # before the model: every block the backward frees is counted
     measure = (lambda run: counted_peak(counter, run)) if counter is not None else peak_bytes
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(args.width, args.width), nn.GELU(), nn.LayerNorm(args.width))
-                            for _ in range(args.layers)])
+    blocks = [nn.Sequential(nn.Linear(args.width, args.width), nn.GELU(), nn.LayerNorm(args.width))
+              for _ in range(args.layers)]
+    every = {"none": 0, "half": 2, "all": 1}[args.checkpoint]
+    model = nn.Sequential(*[_Checkpointed(b) if every and k % every == 0 else b for k, b in enumerate(blocks)])
     x = torch.randn(args.batch, args.width)
 
     def step(ctx):
@@ -176,7 +195,8 @@ def main():
     peaks = {name: min(step(ctx) for _ in range(3)) for name, ctx in engines.items()}
     base = peaks["eager"]
     how = "counting allocator" if counter is not None else "profiler memory events"
-    print(f"model: {args.layers} x (Linear({args.width}) + GELU + LayerNorm), batch {args.batch} ({how})")
+    print(f"model: {args.layers} x (Linear({args.width}) + GELU + LayerNorm), batch {args.batch}, "
+          f"checkpoint {args.checkpoint} ({how})")
     for name, value in peaks.items():
         print(f"  {name:34s} peak {value / 2**20:8.2f} MiB  ({value / base:.3f}x eager)")
 

@@ -7,8 +7,10 @@ import torch
 from .. import reorder
 from . import pipeline
 from .errors import Unsupported, _Fallback
+from .graph.unpacked import Learner
 from .graph.walk import walk_backward
 from .run import self_check
+from .run.cache import cache
 from .run.session import Session, check_dynamic, unused_input_message
 from .view import annotate
 from .view.captured_graph import CapturedGraph
@@ -78,9 +80,13 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=Non
         from .trace.size_relations import relate
         positions = relate(call, dynamic_candidates(call) - baked_positions(call))
     try:
+        # Saved tensors under the user's hooks as a backward of this structure found them
+        # (graph.unpacked): the graph a later backward would run.
+        known = cache.learned_for(call.key)
         made = pipeline.capture_call(call, positions, reorder.resolve(None),
                                      names=annotate.Names(names) if names is not None else None,
-                                     grad_inputs=inputs or (), keep_code=True)
+                                     grad_inputs=inputs or (), keep_code=True,
+                                     learner=Learner(None, known) if known else None)
     except _Fallback as fb:
         raise Unsupported(fb.reason) from None
     return made.graph

@@ -5,6 +5,7 @@ them (capture/native/walk.cpp), and with Python alone (the reference, as where t
 compiled part is not loaded).
 """
 
+import gc
 import re
 
 import pytest
@@ -15,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gradfx
 from gradfx.capture import native
-from gradfx.capture.graph import fast_walk
+from gradfx.capture.graph import fast_walk, hooks
 from gradfx.capture.graph.walk import walk_backward
 from gradfx.capture.run.cache import cache
 from helpers import Double, run_both, snap
@@ -604,6 +605,43 @@ def test_the_one_call_walk_answers_as_its_lines(name, request):
         (model(torch.randn(*shape)) * 2).sum()
     assert run((loss,), (torch.ones(()),), walker.program) is None
     assert walker.lines((loss,), (torch.ones(()),), (), True) is None
+
+
+def test_the_one_call_walk_takes_nodes_under_the_users_saved_tensor_hooks(request):
+    """A checkpointed structure: the call finds the hooked saved variables, its walker tells the
+    user's hooks from gradfx's in Python and makes their owners; it answers as the lines do."""
+    _compiled_only(request)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def loss_of():
+        return checkpoint(model, torch.randn(3, 6), use_reentrant=False).sum()
+    for _ in range(2):
+        with gradfx.compiled_autograd():
+            loss_of().backward()
+    walker = _walker()
+    assert walker.program is not None
+    loss, grad = loss_of(), torch.ones(())
+    assert native.module().program((loss,), (grad,), walker.program) is not None  # the call accepts it
+    gc.collect()
+    live = dict(hooks._node_dicts)  # node hooks of earlier tests' live graphs send a walker to its lines
+    hooks._node_dicts.clear()
+    try:
+        assert not any(hooks.none_possible())
+        found = walker((loss,), (grad,), (), True)
+    finally:
+        hooks._node_dicts.update(live)
+    assert found is not None and type(found[0]) is not list  # the one-call walk answered
+    _same_walk(found, walker.lines((loss,), (grad,), (), True))
+    assert sum(type(o).__name__ == "ForeignOwned" for o in found[1]) > 0
+    with gradfx.compiled_autograd():
+        loss.backward()
+    # Released by that backward: the walker leaves it to its lines, which refuse it, and the
+    # backward raises eager's error.
+    assert walker.lines((loss,), (grad,), (), True) is None
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        with gradfx.compiled_autograd():
+            loss.backward()
 
 
 def test_the_one_call_walk_leaves_what_it_cannot_see_to_its_lines(request):

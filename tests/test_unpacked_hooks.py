@@ -104,6 +104,11 @@ def test_checkpointed_nodes_are_traced_not_opaque():
             assert torch.ops.aten.gelu_backward.default in targets  # the checkpointed formulas
         else:
             assert session.stats["cache_hits"] == 1 and not session.graphs
+    # gradfx.capture shows the graph a backward now runs: the formulas traced, no call run real.
+    graph = gradfx.capture(model(torch.randn(4, 8)).sum())
+    assert graph.opaque_nodes == []
+    gradfx.reset()  # nothing learned: the first form, each checkpointed node run for real
+    assert len(gradfx.capture(model(torch.randn(4, 8)).sum()).opaque_nodes) > 0
 
 
 def _logging_hooks(log):

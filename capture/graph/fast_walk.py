@@ -171,10 +171,11 @@ def generate(call: BackwardCall, tensors, structure):
     return walker
 
 
-def _with_program(lines, program: tuple, call: BackwardCall):
+def _with_program(lines, planned: tuple, call: BackwardCall):
     """The walker that runs the whole walk as one C++ call (walk_program), its lines where
     that answers None and wherever hooks may be live or distributed training is on."""
     run = _native("program")
+    program, foreign = planned
     roots = len(call.roots)
     dist_initialized = distributed.initialized
     pre, retained, node_dicts = hooks.none_possible()
@@ -184,6 +185,13 @@ def _with_program(lines, program: tuple, call: BackwardCall):
                 and not (pre or retained or node_dicts) and not dist_initialized()):
             found = run(tensors, grads, program)
             if found is not None:
+                if foreign:  # hooked saved tensors: the user's (not gradfx's, not released)?
+                    nodes, owned = found[0], found[1]
+                    for i, raws in foreign:
+                        node = nodes[i]
+                        if not foreign_hooks(node, raws):
+                            return lines(tensors, grads, inputs, accumulate)
+                        owned[i] = ForeignOwned(node)
                 return found
         return lines(tensors, grads, inputs, accumulate)
     fast_walk.program = program

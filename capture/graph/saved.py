@@ -145,10 +145,13 @@ def left_to_node(owner) -> bool:
 class ForeignOwned:
     """The saved variables of a node under the user's ``saved_tensors_hooks``, left to them.
 
-    Python cannot release such a variable (the engine does, right after running the
-    node), so releasing marks the node instead, in its ``metadata`` (which lives and
-    dies with it): a later gradfx backward through it raises eager's error when it is
-    walked, and a pre-hook raises it if the eager engine reaches the node.
+    Releasing does what the engine does right after running the node: the compiled part
+    drops each variable's data and hooks (``reset_saved``), so what the hooks packed goes
+    (a checkpoint's frame, with the block's saved inputs) and a later unpack raises
+    eager's error.  Without the compiled part Python cannot release them: releasing
+    marks the node instead, in its ``metadata`` (which lives and dies with it), so that a
+    later gradfx backward through it raises eager's error when it is walked, and a
+    pre-hook raises it if the eager engine reaches the node.
     """
 
     __slots__ = ("node",)
@@ -159,9 +162,37 @@ class ForeignOwned:
         self.node = node
 
     def release(self) -> None:
-        if not self.node.metadata.get(RELEASED_KEY):
-            self.node.metadata[RELEASED_KEY] = True
-            self.node.register_prehook(_freed)
+        release_hooked(self.node)
+
+
+def release_hooked(node) -> None:
+    """Release the saved variables of a node under the user's hooks (see ForeignOwned)."""
+    reader = native.module()
+    raws = _raw_variables(node) if reader is not None else None
+    if raws is not None:
+        reader.reset_saved(raws)
+    elif not node.metadata.get(RELEASED_KEY):
+        node.metadata[RELEASED_KEY] = True
+        node.register_prehook(_freed)
+
+
+def _raw_variables(node):
+    """The node's saved variables (``_raw_saved_*``, lists flattened), or None for a custom
+    Function's (released by the engine's own rules: see release_variables)."""
+    names = _raw_names.get(type(node))
+    if names is None:
+        names = _raw_names[type(node)] = () if hasattr(node, "_forward_cls") else \
+            tuple(n for n in dir(type(node)) if n.startswith("_raw_saved_"))
+    if not names:
+        return None
+    found = []
+    for name in names:
+        raw = getattr(node, name)
+        found.extend(raw if type(raw) is tuple else (raw,))
+    return tuple(found)
+
+
+_raw_names: dict = {}  # node type -> its _raw_saved_* attributes (none for a custom Function)
 
 
 def _freed(grad_outputs):

@@ -30,6 +30,8 @@ compiler sees the formulas around it.
 
 from __future__ import annotations
 
+import torch
+
 from .. import native
 
 UNFIT = "unfit"  # an unpacked value the trace cannot stand in for (a subclass, a sparse tensor, ...)
@@ -88,7 +90,6 @@ def meta(value):
     strided tensor, or UNFIT."""
     if value is None:
         return None
-    import torch
     if type(value) is not torch.Tensor or value.layout is not torch.strided or value.is_conj() or value.is_neg():
         return UNFIT
     return (tuple(value.shape), value.stride(), value.dtype, value.device)
@@ -119,7 +120,7 @@ class Learner:
 
     def learned(self, i: int, values: tuple) -> None:
         metas = tuple(map(meta, values))
-        if self.known.get(i) != metas:
+        if self.base is not None and self.known.get(i) != metas:  # None: gradfx.capture's, keys nothing
             self.known[i] = metas
             from ..run.cache import cache  # the run package imports this one
             cache.learn(self.base, i, metas)

@@ -24,23 +24,26 @@ from .kinds import (ACCUMULATE, TRACED, AccumulateKind, TracedKind, _tensor_expe
 from .saved import ForeignOwned
 
 # Step and input codes of program.cpp
-METAS, VALUE, SAVED, LEAF, GRAD = range(5)
+METAS, VALUE, SAVED, LEAF, GRAD, FOREIGN = range(6)
 SIZE, SIZES, NONE, EQUAL = range(4)
 GRAD_INPUT, SAVED_INPUT, NODE_INPUT, LEAF_INPUT = range(4)
 
 
 def plan(call, structure_plan: tuple):
-    """program.cpp's plan for ``call``'s structure (parsed once: a capsule), or None where its
-    lines must serve."""
+    """program.cpp's plan for ``call``'s structure (parsed once: a capsule) and the nodes whose
+    saved tensors the user's hooks hold (the caller's lines tell those hooks from gradfx's
+    and make their owners), or None where its lines must serve."""
     if native.module() is None or call.outputs is not None or call.accumulate is not True:
         return None
     records = call.records
     steps = [(GRAD, k, _tensor_expected(call, k, call.inputs[k])) for k in range(len(call.roots))]
     layout = [(GRAD_INPUT, k, 0) for k in range(len(call.roots))]
     held = []
+    hooked = []  # (node index, its raw saved attributes) per node under the user's saved-tensor hooks
     for i, node in enumerate(call.nodes):
         rec = records[i]
-        if not rec.runs or rec.hooks is not None or rec.kind not in (ACCUMULATE, TRACED):
+        foreign = type(call.owned[i]) is ForeignOwned  # walked as OPAQUE: the user's hooks hold its tensors
+        if not rec.runs or rec.hooks is not None or (rec.kind not in (ACCUMULATE, TRACED) and not foreign):
             return None
         spec, info = kind_of(node)
         if isinstance(spec, AccumulateKind):
@@ -51,8 +54,7 @@ def plan(call, structure_plan: tuple):
                                     v.requires_grad, v.grad_dtype)))
             layout.append((LEAF_INPUT, i, 0))
             continue
-        if not isinstance(spec, TracedKind) or info.kind is not TRACED or info.hidden \
-                or type(call.owned[i]) is ForeignOwned:
+        if not isinstance(spec, TracedKind) or info.kind is not TRACED or info.hidden:
             return None
         metas = node._input_metadata
         if any(m.device.type == "cuda" for m in metas):
@@ -64,7 +66,14 @@ def plan(call, structure_plan: tuple):
                 return None
             steps.append(step)
         defined = 0
-        if info.raw_saved:
+        if foreign:  # under the user's hooks: found so in C++, told in Python
+            raws = tuple(getattr(node, raw) for raw in info.raw_saved)
+            offsets = None if any(type(r) is tuple for r in raws) else native.module().offsets(node, raws)
+            if offsets is None:
+                return None
+            steps.append((FOREIGN, i, offsets))
+            hooked.append((i, info.raw_saved))
+        elif info.raw_saved:
             offsets = native_offsets(node, info)
             if offsets is None:
                 return None
@@ -82,8 +91,9 @@ def plan(call, structure_plan: tuple):
             steps.append((SAVED, i, (offsets, tuple(expected))))
             held.append((i, offsets, mask))
         layout += [(SAVED_INPUT, i, j) for j in range(defined)] + [(NODE_INPUT, i, 0)]
-    return native.module().compile_program(
+    compiled = native.module().compile_program(
         (structure_plan, tuple(steps), tuple(layout), tuple(held), len(call.nodes)), list(call.nodes))
+    return compiled, tuple(hooked)
 
 
 def _value_step(i: int, node_type: type, attr: str, value, is_size: bool):

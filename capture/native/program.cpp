@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
 #include <array>
 #include <unordered_map>
@@ -29,7 +30,7 @@ using gradfx_native::NodePtr;
 using gradfx_native::SavedSpec;
 using gradfx_native::TensorSpec;
 
-enum Kind : long { kMetas = 0, kValue = 1, kSaved = 2, kLeaf = 3, kGrad = 4 };
+enum Kind : long { kMetas = 0, kValue = 1, kSaved = 2, kLeaf = 3, kGrad = 4, kForeign = 5 };
 enum Value : long { kSize = 0, kSizes = 1, kNone = 2, kEqual = 3 };
 enum Input : long { kGradInput = 0, kSavedInput = 1, kNodeInput = 2, kLeafInput = 3 };
 // How a kEqual value compares: the forms emit_values' ``type(x) is T and x == C`` takes
@@ -331,6 +332,19 @@ Program* parse(PyObject* plan, PyObject* nodes) {
         p->leaves.emplace_back();
         ok = gradfx_native::parse_leaf(arg, &p->leaves.back());
         break;
+      case kForeign:  // (offsets): the saved variables, of which one must carry hooks
+        if (!PyTuple_Check(arg)) {
+          return bad();
+        }
+        step.begin = static_cast<int32_t>(p->saved.size());
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(arg); ++k) {
+          SavedSpec spec;
+          spec.offset = PyLong_AsLongLong(PyTuple_GET_ITEM(arg, k));
+          p->saved.push_back(spec);
+        }
+        step.count = static_cast<int32_t>(p->saved.size()) - step.begin;
+        ok = step.count > 0;
+        break;
     }
     if (!ok) {
       return bad();
@@ -508,6 +522,15 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
         }
         saved[i] = py::reinterpret_steal<py::object>(xs);
         ok = xs != Py_None;
+        break;
+      }
+      case kForeign: {
+        // Saved tensors under hooks, which the caller's lines tell the user's from gradfx's
+        // (saved.foreign_hooks): this step only finds that some variable carries them.
+        char* base = reinterpret_cast<char*>(nodes[i].get());
+        for (int32_t k = 0; k < step.count && !ok; ++k) {
+          ok = reinterpret_cast<torch::autograd::SavedVariable*>(base + p.saved[step.begin + k].offset)->has_hooks();
+        }
         break;
       }
       case kLeaf: {

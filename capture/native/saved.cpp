@@ -385,10 +385,19 @@ py::object with_saved(const py::tuple& raws, const py::tuple& tensors, const py:
   }
 }
 
+// reset_saved(raws): the engine's release of these saved variables once their node has run
+// (release_variables): data and hooks dropped, so a later unpack raises eager's error.
+void reset_saved(const py::tuple& raws) {
+  for (const auto& raw : raws) {
+    raw.cast<SavedVariable*>()->reset_data();
+  }
+}
+
 }  // namespace
 
 void add_saved(py::module_& m) {
   m.def("with_saved", &with_saved, "fn(*args) with a node's saved variables holding the given tensors");
+  m.def("reset_saved", &reset_saved, "release saved variables as the engine does after their node ran");
   for (PyMethodDef* def : {&offsets_def, &saved_def}) {
     m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_New(def, nullptr));
   }

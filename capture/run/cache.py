@@ -148,6 +148,15 @@ class GraphCache:
             self.unpacked.setdefault(base, {})[i] = metas
             self.assumes = True
 
+    def learned_for(self, walk_key) -> dict:
+        """The layouts learned for structures of this walk key, under any backend and passes
+        (for gradfx.capture, which has none): node index -> metas; {} where none."""
+        with self._lock:
+            for base, found in self.unpacked.items():
+                if type(base) is tuple and base and base[0] == walk_key:
+                    return dict(found)
+        return {}
+
     def stopped(self, key, node: int, checked: tuple, none: frozenset) -> None:
         """A graph of ``key`` stopped at ``node``, whose gradients at ``checked`` came from
         opaque calls, ``none`` of them None: the next backward assumes so."""

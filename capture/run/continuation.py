@@ -155,7 +155,7 @@ class _Runner:
         if self.keep_graph:
             return
         owner = self.call.owned[i]
-        if isinstance(owner, SavedTensors) or left_to_node(owner):
+        if isinstance(owner, (SavedTensors, ForeignOwned)) or left_to_node(owner):
             owner.release()
             return
         raw = type_info(type(node)).raw_saved

@@ -17,6 +17,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .. import native
 from ..graph import hooks, unpacked
+from ..graph import saved
 from ..graph.saved import release_variables
 from . import hook_ops
 
@@ -319,6 +320,14 @@ def release_saved(node, raw_attrs: tuple) -> None:
     for attr in raw_attrs:
         raw = getattr(node, attr)
         release_variables(raw if type(raw) is tuple else (raw,))
+
+
+def release_hooked(node) -> None:
+    """Release the saved variables of a node under the user's saved_tensors_hooks right after
+    it ran (its post-hooks), as the engine does in a backward that does not keep its graph:
+    what the hooks packed goes then (a checkpoint's frame, its block's saved inputs)."""
+    if hook_ops.keeps_graph() is False:
+        saved.release_hooked(node)
 
 
 def stands_in(meta) -> bool:

@@ -25,6 +25,7 @@ _BY_TARGET = {
     runtime_ops.accumulate_grad: "accumulate", runtime_ops.accumulate_grad_unchecked: "accumulate",
     runtime_ops.accumulate_grad_create_graph: "accumulate",
     runtime_ops.call_node: "opaque", runtime_ops.call_backward: "opaque", runtime_ops.release_saved: "opaque",
+    runtime_ops.release_hooked: "opaque",
     runtime_ops.require_gradients: "check",
     **{fn: "hook" for fn in hook_ops.HOOK_CALLS},
 }
