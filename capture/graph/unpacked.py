@@ -38,14 +38,16 @@ UNFIT = "unfit"  # an unpacked value the trace cannot stand in for (a subclass, 
 
 
 class Plan:
-    """How a node type's saved variables are unpacked: ``raws`` (its ``_raw_saved_*``) and
-    ``attrs`` (the matching ``_saved_*`` getters), in the order its ``apply`` unpacks them."""
+    """How a node type's saved variables are unpacked: ``raws`` (its ``_raw_saved_*``),
+    ``attrs`` (the matching ``_saved_*`` getters) and ``offsets`` (where the variables lie in
+    the node, for the compiled part), in the order its ``apply`` unpacks them."""
 
-    __slots__ = ("raws", "attrs")
+    __slots__ = ("raws", "attrs", "offsets")
 
-    def __init__(self, raws: tuple, attrs: tuple):
+    def __init__(self, raws: tuple, attrs: tuple, offsets: tuple):
         self.raws = raws
         self.attrs = attrs
+        self.offsets = offsets
 
     def variables(self, node) -> tuple:
         return tuple(getattr(node, raw) for raw in self.raws)
@@ -74,15 +76,25 @@ def plan(node, info) -> Plan | None:
     found = None
     if offsets is not None:
         order = sorted(range(len(offsets)), key=offsets.__getitem__)
-        found = Plan(tuple(info.raw_saved[k] for k in order), tuple(info.saved_tensors[k] for k in order))
+        found = Plan(tuple(info.raw_saved[k] for k in order), tuple(info.saved_tensors[k] for k in order),
+                     tuple(offsets[k] for k in order))
     _plans[key] = found
     return found
 
 
 def unpack(node, plan: Plan) -> tuple:
-    """The node's saved tensors as its ``apply`` would unpack them: each getter once, in order
-    (the user's unpack hooks run here; eager's errors are raised here)."""
+    """The node's saved tensors as its ``apply`` would unpack them: each variable once, in
+    order (the user's unpack hooks run here; eager's errors are raised here).  The compiled
+    part's reads where it is loaded, else the getters (which unpack the same way)."""
+    reader = native.module()
+    if reader is not None:
+        return reader.unpack_at(node, plan.offsets)
     return tuple(getattr(node, attr) for attr in plan.attrs)
+
+
+def planned(node_type) -> Plan | None:
+    """The plan made for this node type, if any (no new one is made)."""
+    return _plans.get(node_type)
 
 
 def meta(value):

@@ -393,9 +393,54 @@ void reset_saved(const py::tuple& raws) {
   }
 }
 
+// The node's SavedVariable at each of ``offsets`` (byte offsets from ``offsets``).
+std::vector<SavedVariable*> variables_at(PyObject* obj, const py::tuple& offsets, gradfx_native::NodePtr* node) {
+  auto* fn = builtin(obj);
+  if (fn == nullptr) {
+    throw std::invalid_argument("a builtin autograd node");
+  }
+  *node = fn->cdata;
+  char* base = reinterpret_cast<char*>(node->get());
+  std::vector<SavedVariable*> vars;
+  for (const auto& offset : offsets) {
+    vars.push_back(reinterpret_cast<SavedVariable*>(base + offset.cast<Py_ssize_t>()));
+  }
+  return vars;
+}
+
+// unpack_at(node, offsets): the node's saved tensors at ``offsets`` as its apply unpacks them
+// (the user's unpack hooks run here, eager's errors are raised here); None for undefined.
+py::tuple unpack_at(const py::handle& obj, const py::tuple& offsets) {
+  gradfx_native::NodePtr node;
+  auto vars = variables_at(obj.ptr(), offsets, &node);
+  py::tuple out(vars.size());
+  for (size_t k = 0; k < vars.size(); ++k) {
+    at::Tensor t = vars[k]->unpack(node);
+    if (t.defined()) {
+      out[k] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
+      if (!out[k].ptr()) {
+        throw py::error_already_set();
+      }
+    } else {
+      out[k] = py::none();
+    }
+  }
+  return out;
+}
+
+// reset_at(node, offsets): reset_saved for the node's variables at ``offsets``.
+void reset_at(const py::handle& obj, const py::tuple& offsets) {
+  gradfx_native::NodePtr node;
+  for (SavedVariable* var : variables_at(obj.ptr(), offsets, &node)) {
+    var->reset_data();
+  }
+}
+
 }  // namespace
 
 void add_saved(py::module_& m) {
+  m.def("unpack_at", &unpack_at, "a builtin node's saved tensors at these offsets, unpacked as its apply does");
+  m.def("reset_at", &reset_at, "release a builtin node's saved variables at these offsets");
   m.def("with_saved", &with_saved, "fn(*args) with a node's saved variables holding the given tensors");
   m.def("reset_saved", &reset_saved, "release saved variables as the engine does after their node ran");
   for (PyMethodDef* def : {&offsets_def, &saved_def}) {

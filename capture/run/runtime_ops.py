@@ -274,20 +274,21 @@ class SavedUnpack:
 
     __name__ = "unpack_saved"
 
-    def __init__(self, attrs: tuple, expected: tuple, frontier: int):
-        self.attrs, self.expected, self.frontier = attrs, expected, frontier
+    def __init__(self, plan, expected: tuple, frontier: int):
+        self.plan, self.expected, self.frontier = plan, expected, frontier
 
     def unpack(self, node) -> tuple:
         previous = hook_ops.running_node(node)
         try:
-            return tuple(getattr(node, attr) for attr in self.attrs)
+            return unpacked.unpack(node, self.plan)
         finally:
             hook_ops.done_running(previous)
 
     def __call__(self, node, grads: tuple, carry: tuple) -> tuple:
         values = self.unpack(node)
+        meta = unpacked.meta
         for value, want in zip(values, self.expected):
-            if unpacked.meta(value) != want:
+            if meta(value) != want:
                 raise UnpackedOtherwise(self.frontier, grads, carry, values)
         return values
 

@@ -679,7 +679,7 @@ class _Tracer:
         self.frontiers.append(frontier)
         try:
             like = tuple(None if m is None else self.new_fake(m[0], m[1], m[2], m[3]) for m in metas)
-            values = self.python_call(runtime_ops.SavedUnpack(plan.attrs, metas, len(self.frontiers) - 1),
+            values = self.python_call(runtime_ops.SavedUnpack(plan, metas, len(self.frontiers) - 1),
                                       (_Input(self.call.records[i].node_input), tuple(grads), tuple(carry)),
                                       like, self.call.node_label(i), "hook")
             out = unpacked.with_saved(node, plan, values, node, tuple(grads))
