@@ -56,22 +56,20 @@ class _SavesItsInput(torch.autograd.Function):
         return g * x.cos()
 
 
-@pytest.mark.parametrize("retain", [False, True])
-@pytest.mark.parametrize("op", ["function", "run_real"])
-def test_nodes_run_opaquely_free_their_saved_tensors_as_they_go(op, retain):
-    """The engine frees each node's saved tensors right after it runs (without
-    retain_graph); so must gradfx for nodes it runs opaquely (an opaque custom Function,
-    a builtin node run for real), not only when the backward ends."""
+def _alive_at_the_leaf(make_x, block, retain: bool, gradfx_runs: int) -> dict:
+    """Four blocks ``y = block(k, h)`` on ``h = y * 1.0``, the backward run by eager and then
+    ``gradfx_runs`` times by gradfx: per engine, [(how many of the four ``h`` are alive when
+    the leaf's gradient arrives, the leaf's gradient)]."""
     import weakref
     seen = {}
-    for engine in ("eager", "gradfx", "gradfx"):
+    for engine in ("eager",) + ("gradfx",) * gradfx_runs:
         torch.manual_seed(0)
-        x = torch.randn(1000, requires_grad=True)
+        x = make_x()
         refs, y = [], x
-        for _ in range(4):
+        for k in range(4):
             h = y * 1.0
             refs.append(weakref.ref(h))
-            y = _SavesItsInput.apply(h) if op == "function" else torch.cumprod(h, 0) * 0.5
+            y = block(k, h)
             del h
         alive = []
         x.register_hook(lambda g: alive.append(sum(r() is not None for r in refs)))
@@ -84,10 +82,22 @@ def test_nodes_run_opaquely_free_their_saved_tensors_as_they_go(op, retain):
             y.sum().backward()
         seen.setdefault(engine, []).append((alive[0], x.grad.clone()))
     assert seen["eager"][0][0] == (4 if retain else 0)
-    for alive, grad in seen["gradfx"]:
+    for _, grad in seen["gradfx"]:
         assert torch.equal(grad, seen["eager"][0][1])
-        if not retain:  # (kept, gradfx's owner may hold them under another tensor object)
-            assert alive == 0
+    return seen
+
+
+@pytest.mark.parametrize("retain", [False, True])
+@pytest.mark.parametrize("op", ["function", "run_real"])
+def test_nodes_run_opaquely_free_their_saved_tensors_as_they_go(op, retain):
+    """The engine frees each node's saved tensors right after it runs (without
+    retain_graph); so must gradfx for nodes it runs opaquely (an opaque custom Function,
+    a builtin node run for real), not only when the backward ends."""
+    def block(k, h):
+        return _SavesItsInput.apply(h) if op == "function" else torch.cumprod(h, 0) * 0.5
+    seen = _alive_at_the_leaf(lambda: torch.randn(1000, requires_grad=True), block, retain, 2)
+    if not retain:  # (kept, gradfx's owner may hold them under another tensor object)
+        assert [alive for alive, _ in seen["gradfx"]] == [0, 0]
 
 
 @pytest.mark.parametrize("retain", [False, True])
@@ -96,31 +106,12 @@ def test_checkpointed_blocks_free_what_their_hooks_packed_as_they_go(retain):
     hooks refer to; the engine releases those variables right after each node runs, so a
     block's inputs go once its nodes have run.  gradfx does the same: when learning, when
     traced (graph.unpacked) and on cache hits."""
-    import weakref
     from torch.utils.checkpoint import checkpoint
     gradfx.reset()
-    seen = {}
-    for engine in ("eager", "gradfx", "gradfx", "gradfx"):
-        torch.manual_seed(0)
-        x = torch.randn(64, 16, requires_grad=True)
-        lins = [nn.Linear(16, 16) for _ in range(4)]
-        refs, y = [], x
-        for lin in lins:
-            h = y * 1.0
-            refs.append(weakref.ref(h))
-            y = checkpoint(lambda t, lin=lin: torch.tanh(lin(t)), h, use_reentrant=False)
-            del h
-        alive = []
-        x.register_hook(lambda g: alive.append(sum(r() is not None for r in refs)))
-        if engine == "gradfx":
-            with gradfx.compiled_autograd(backend="eager"):
-                y.sum().backward(retain_graph=retain)
-        else:
-            y.sum().backward(retain_graph=retain)
-        if retain:  # kept: a second backward works, in both
-            y.sum().backward()
-        seen.setdefault(engine, []).append((alive[0], x.grad.clone()))
-    assert seen["eager"][0][0] == (4 if retain else 0)
-    for alive, grad in seen["gradfx"]:
-        assert torch.equal(grad, seen["eager"][0][1])
-        assert alive == seen["eager"][0][0]
+    torch.manual_seed(0)
+    lins = [nn.Linear(16, 16) for _ in range(4)]
+
+    def block(k, h):
+        return checkpoint(lambda t: torch.tanh(lins[k](t)), h, use_reentrant=False)
+    seen = _alive_at_the_leaf(lambda: torch.randn(64, 16, requires_grad=True), block, retain, 3)
+    assert [alive for alive, _ in seen["gradfx"]] == [seen["eager"][0][0]] * 3

@@ -147,7 +147,7 @@ class ForeignOwned:
     """The saved variables of a node under the user's ``saved_tensors_hooks``, left to them.
 
     Releasing does what the engine does right after running the node: the compiled part
-    drops each variable's data and hooks (``reset_saved``), so what the hooks packed goes
+    drops each variable's data and hooks (``reset_at``), so what the hooks packed goes
     (a checkpoint's frame, with the block's saved inputs) and a later unpack raises
     eager's error.  Without the compiled part Python cannot release them: releasing
     marks the node instead, in its ``metadata`` (which lives and dies with it), so that a

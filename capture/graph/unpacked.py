@@ -9,16 +9,15 @@ know it when it captures, and it cannot hand the node fakes of it by itself.
 The compiled part lets gradfx run the formula on tensors of its choosing: while
 ``with_saved`` calls the node, the node's saved variables hold those tensors as
 plain saved variables, with no hook (native/saved.cpp).  gradfx then does the node's
-unpacks itself. It reads ``node._saved_x`` once per variable, in the order the node's
-``apply`` unpacks them, so the user's hooks run as often, in the same order and at the
-same point of the backward as in eager.  It then runs the formula on what the hooks
-gave.
+unpacks itself (``unpack_at``): once per variable, in the order the ``apply`` unpacks
+them, so the user's hooks run as often, in the same order and at the same point of the
+backward as in eager.  It then runs the formula on what the hooks gave.
 
 * The first backward of a structure runs such a node that way for real
-  (``runtime_ops.call_node_unpacking``), and the unpacked tensors' layouts are learned
+  (``runtime_ops.NodeUnpacking``), and the unpacked tensors' layouts are learned
   (:class:`Learner`).
 * The next capture of the structure traces the node's formula on fakes of those layouts.
-  The graph calls the unpacks at the node's place (``runtime_ops.unpack_saved``) and
+  The graph calls the unpacks at the node's place (``runtime_ops.SavedUnpack``) and
   checks each result against its layout; if one differs, the graph stops there and the
   rest of the backward runs node by node from those very tensors (``run.continuation``),
   and the layouts it found are learned for the next capture.

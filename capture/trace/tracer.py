@@ -666,7 +666,7 @@ class _Tracer:
         """Node ``i``'s formula traced on fakes of the saved tensors as the last backward
         unpacked them; the graph unpacks them at this point and checks their layouts (a
         stop where one differs).  None where it cannot be traced so: the node then runs
-        for real, gradfx unpacking for it (call_node_unpacking)."""
+        for real, gradfx unpacking for it (runtime_ops.NodeUnpacking)."""
         metas = self.learner.known.get(i)
         if (not unpacked.fits(metas) or type(node).__name__ in HIDDEN_RULES or self.runs_real(i)
                 or any(g is not None and id(g) in self.maybe_none for g in grads)):
