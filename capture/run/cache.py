@@ -54,6 +54,9 @@ class GraphCache:
         # structure -> {node index: layouts of the saved tensors its unpack hooks gave}
         self.unpacked: dict = {}
         self.assumes = False  # either of the two holds anything: keys are looked up
+        # id(structure) -> (structure, its key): the key of a walker's structure (the same
+        # object every backward) without hashing it; cleared whenever an assumption changes
+        self._keys: dict = {}
         self._last = None  # (structure, its sizes, entry, the sizes list) of the last lookup that found one
 
     def lookup(self, structure, sizes):
@@ -135,11 +138,19 @@ class GraphCache:
         something (a graph stopped, hooks unpacked saved tensors)."""
         if not self.assumes:  # every backward asks: no hashing in the common case
             return structure
-        none = self.assumed_none.get(structure)
-        unpacked = self.unpacked.get(structure)
-        if none is None and not unpacked:
-            return structure
-        return Assumed(structure, none or frozenset(), tuple(sorted(unpacked.items())) if unpacked else ())
+        known = self._keys.get(id(structure))
+        if known is not None and known[0] is structure:
+            return known[1]
+        with self._lock:
+            none = self.assumed_none.get(structure)
+            unpacked = self.unpacked.get(structure)
+            key = structure
+            if none is not None or unpacked:
+                key = Assumed(structure, none or frozenset(), tuple(sorted(unpacked.items())) if unpacked else ())
+            if len(self._keys) >= 4 * self.max_size:  # generic walks make new structure objects
+                self._keys.clear()
+            self._keys[id(structure)] = (structure, key)
+        return key
 
     def learn(self, base, i: int, metas: tuple) -> None:
         """A backward of ``base`` found node ``i``'s saved tensors unpacked with these layouts:
@@ -147,6 +158,7 @@ class GraphCache:
         with self._lock:
             self.unpacked.setdefault(base, {})[i] = metas
             self.assumes = True
+            self._keys.clear()
 
     def learned_for(self, walk_key) -> dict:
         """The layouts learned for structures of this walk key, under any backend and passes
@@ -168,6 +180,7 @@ class GraphCache:
             else:
                 self.assumed_none.pop(base, None)
             self.assumes = bool(self.assumed_none or self.unpacked)
+            self._keys.clear()
 
     def _forget(self, structure) -> None:
         base = structure.base if isinstance(structure, Assumed) else structure
@@ -175,6 +188,7 @@ class GraphCache:
             self.assumed_none.pop(base, None)
             self.unpacked.pop(base, None)
             self.assumes = bool(self.assumed_none or self.unpacked)
+        self._keys.clear()  # (it holds the structures it answers for: they go with their entries)
         del self._per_structure[structure]
         self.last_sizes.pop(structure, None)
         self.dynamic_positions.pop(structure, None)
@@ -196,6 +210,7 @@ class GraphCache:
         self.assumed_none.clear()
         self.unpacked.clear()
         self.assumes = False
+        self._keys.clear()
 
     def _related(self, base) -> list:
         """The keys of ``base`` that hold entries: itself and its Assumed keys."""
