@@ -184,7 +184,7 @@ def release_hooked(node) -> None:
 
 def _raw_variables(node):
     """The node's saved variables (``_raw_saved_*``, lists flattened), or None for a custom
-    Function's (released by the engine's own rules: see release_variables)."""
+    Function's (those are marked released instead, as without the compiled part)."""
     names = _raw_names.get(type(node))
     if names is None:
         names = _raw_names[type(node)] = () if hasattr(node, "_forward_cls") else \

@@ -16,8 +16,7 @@ from torch.autograd.variable import Variable
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .. import native
-from ..graph import hooks, unpacked
-from ..graph import saved
+from ..graph import hooks, saved, unpacked
 from ..graph.saved import release_variables
 from . import hook_ops
 

@@ -696,11 +696,11 @@ class _Tracer:
         """After a node run opaquely (and its post-hooks): free its saved tensors now,
         as the engine does, unless the backward keeps its graph (decided at run time).
         Not for saved tensors freed on access: their handles are gone by then."""
-        raw = type_info(type(node)).raw_saved
         if type(self.call.owned[i]) is ForeignOwned:  # what the user's hooks packed goes now, as in eager
             self.python_call(runtime_ops.release_hooked, (_Input(self.call.records[i].node_input),), None,
                              self.call.node_label(i), "opaque")
             return
+        raw = type_info(type(node)).raw_saved
         if raw and not getattr(getattr(node, "_forward_cls", None), "clear_saved_tensors_on_access", False):
             self.python_call(runtime_ops.release_saved, (_Input(self.call.records[i].node_input), raw), None,
                              self.call.node_label(i), "opaque")
