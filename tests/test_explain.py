@@ -220,3 +220,93 @@ def test_size_change_says_what_the_capture_does_with_them(caplog, monkeypatch, d
     _logged(caplog, _batches(24, 37), word="recapture")
     assert len(seen) == 1
     assert seen[0].startswith("4 sizes changed 24 -> 37 (") and seen[0].endswith(")" + (" " + note if note else ""))
+
+
+# -- the note on an error raised while a graph runs -----------------------------------
+
+def _raising_hook(grad):
+    raise ValueError("the hook refused")
+
+
+class _Hooks:
+    def pre(self, grads):
+        raise ValueError("the pre-hook refused")
+
+
+def _notes(run, backend="eager", names=None):
+    gradfx.reset()
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with pytest.raises(Exception) as raised:
+        loss = run(lin, x)
+        with gradfx.compiled_autograd(backend=backend, names=lin if names else None):
+            loss.backward()
+    return getattr(raised.value, "__notes__", [])
+
+
+def test_a_raising_hook_on_a_named_leaf_names_the_leaf_and_the_hook():
+    def run(lin, x):
+        lin.weight.register_hook(_raising_hook)
+        return lin(x).sum()
+    assert _notes(run, names=True) == [
+        f"gradfx: raised in the tensor hook {__name__}._raising_hook of leaf 'weight' "
+        "(AccumulateGrad #leaf, graph node call_tensor_hook)"]
+
+
+def test_a_raising_hook_on_an_unnamed_leaf_gives_its_shape():
+    def run(lin, x):
+        lin.weight.register_hook(_raising_hook)
+        return lin(x).sum()
+    assert _notes(run) == [
+        f"gradfx: raised in the tensor hook {__name__}._raising_hook of a leaf of shape [2, 3] "
+        "(AccumulateGrad #leaf, graph node call_tensor_hook)"]
+
+
+def test_a_raising_hook_on_a_non_leaf_and_a_pre_hook_by_qualified_name():
+    def on_output(lin, x):
+        h = lin(x)
+        h.register_hook(_raising_hook)
+        return (h * 2).sum()
+    [note] = _unnumbered(_notes(on_output))
+    assert note == (f"gradfx: raised in the tensor hook {__name__}._raising_hook of a tensor of shape [4, 2] "
+                    "(its gradient goes into AddmmBackward0 #; graph node call_tensor_hook)")
+
+    def pre(lin, x):
+        h = lin(x) * 2
+        h.grad_fn.register_prehook(_Hooks().pre)
+        return h.sum()
+    assert _unnumbered(_notes(pre)) == [
+        f"gradfx: raised in the pre-hook {__name__}._Hooks.pre of MulBackward0 # (graph node call_pre_hook)"]
+
+
+def my_backend(gm, example_inputs):
+    def compiled(*args):
+        raise RuntimeError("compiled code failed")
+    return compiled
+
+
+def returns_the_graph(gm, example_inputs):
+    return gm
+
+
+def test_a_compiled_callable_that_raises_names_its_backend():
+    assert _notes(lambda lin, x: lin(x).sum(), backend=my_backend) == [
+        "gradfx: raised in the graph compiled by backend 'my_backend'"]
+
+    def run(lin, x):
+        lin.weight.register_hook(_raising_hook)
+        return lin(x).sum()
+    assert _notes(run, backend=returns_the_graph) == [
+        f"gradfx: raised in the tensor hook {__name__}._raising_hook of a leaf of shape [2, 3] "
+        "(AccumulateGrad #leaf, graph node call_tensor_hook), in the graph compiled by backend 'returns_the_graph'"]
+
+
+def test_a_builtin_node_that_raises_keeps_its_note():
+    """The eager backend: the node's note alone, as before (no backend named)."""
+    def run(lin, x):
+        h = lin(x)
+        h.grad_fn.register_hook(lambda grad_inputs, grad_outputs: (grad_inputs[0].view(-1, 7),) + grad_inputs[1:])
+        return h.sum()
+    notes = _notes(run)
+    assert len(notes) == 1 and "backend" not in notes[0], notes

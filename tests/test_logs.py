@@ -78,3 +78,25 @@ def test_a_failed_backend_compile_is_logged_at_info(caplog):
     assert len(compiles) == 1 and compiles[0].levelno == logging.INFO
     assert re.fullmatch(r"gradfx: backend .*broken failed to compile a backward of \d+ fx nodes \(\d+\.\d\d s\); "
                         r"the eager backend runs it", compiles[0].getMessage()), compiles[0].getMessage()
+
+
+def test_the_first_capture_of_a_process_is_compared_with_no_probe():
+    """The self-check's probe captures (before the first capture of a process) are not the
+    user's: the first new-structure line compares the user's second capture with the first."""
+    code = ("import logging, torch, gradfx\n"
+            "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+            "lin = torch.nn.Linear(3, 2)\n"
+            "with gradfx.compiled_autograd():\n    lin(torch.randn(4, 3)).sum().backward()\n"
+            "with gradfx.compiled_autograd():\n    lin(torch.randn(4, 3)).tanh().sum().backward()\n")
+    env = dict(os.environ)
+    env.pop("TORCH_LOGS", None)
+    repo_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_parent, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("gradfx: new structure")]
+    assert len(lines) == 1, done.stderr
+    assert re.sub(r"#\d+", "#", lines[0]) == ("gradfx: new structure (vs the last capture): node 1 is now "
+                                              "TanhBackward0 # instead of AddmmBackward0 (6 nodes now, 5 before)")
+    assert done.stderr.index("gradfx: captured 5 autograd nodes") < done.stderr.index(lines[0])

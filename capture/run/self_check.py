@@ -110,9 +110,11 @@ def _apart():
     are the user's as they were.  (Every other thread that would capture waits for the
     verdict meanwhile, so none of them meets the probes' cache.)"""
     from ..graph import fast_walk
+    from ..view import explain
     from . import counters
     from .cache import GraphCache, cache
     kept_cache, kept_walkers = dict(vars(cache)), dict(vars(fast_walk.walkers))
+    kept_last = explain._last_key[0]  # the user's last capture: what a new structure is compared with
     kept_totals = dict(counters.totals)
     GraphCache.__init__(cache, cache.max_size)
     cache.on_forget = kept_cache["on_forget"]
@@ -127,6 +129,7 @@ def _apart():
         vars(fast_walk.walkers).clear()
         vars(fast_walk.walkers).update(kept_walkers)
         counters.totals.update(kept_totals)
+        explain._last_key[0] = kept_last
 
 
 def _difference(expected: list, got: list) -> str:

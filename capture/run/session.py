@@ -546,7 +546,7 @@ class Session:
             raise RuntimeError(f"gradfx: the graph compiled by backend {self.backend_name!r} {err}; the backend "
                                "must return what the graph it was given computes") from err
         except Exception as err:
-            explain.annotate_error(err, entry.captured.graph_module)
+            explain.annotate_error(err, entry.captured.graph_module, self.backend_name)
             raise
         finally:
             routing.end_backward()

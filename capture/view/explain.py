@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import linecache
 import logging
 import re
 
 from ..graph.kinds import ACCUMULATE, FUNCTION, OPAQUE, type_info
 from ..graph.walk import BackwardCall, _NodeMark
+from ..run import hook_ops
 
 log = logging.getLogger("gradfx")
 
@@ -498,24 +500,78 @@ def _generic_change(old: tuple, new: tuple, call: BackwardCall) -> str:
     return f"{len(new)} key items now, {len(old)} before"
 
 
-def annotate_error(err: BaseException, graph_module) -> None:
-    """Add the autograd node of the failing graph op to ``err`` (its type is kept)."""
+def annotate_error(err: BaseException, graph_module, backend: str | None = None) -> None:
+    """Add to ``err`` (its type is kept) one note: the autograd node of the failing graph op,
+    and for a hook that raised, the hook (by qualified name) and its tensor (by its
+    ``names=`` name, else its shape) or node; ``backend``: the block's backend, named
+    where it is not the built-in eager one (a compiled callable that raised)."""
     tb = err.__traceback__
     line = None
+    hook = _NO_HOOK
     while tb is not None:
         code = tb.tb_frame.f_code
         if code.co_filename.startswith("<eval_with_key>"):
             line = linecache.getline(code.co_filename, tb.tb_lineno)
+        elif code is hook_ops._call.__code__:
+            hook = tb.tb_frame.f_locals.get("hook", _NO_HOOK)  # the hook object this call ran
         tb = tb.tb_next
-    if not line or " = " not in line:
+    compiled = f"in the graph compiled by backend {backend!r}" if backend and backend != "eager" else None
+    where = None
+    if line and " = " in line:
+        name = line.strip().split(" = ")[0].split(":")[0].strip()
+        node = next((n for n in graph_module.graph.nodes if n.name == name), None)
+        label = node.meta.get("gradfx_node") if node is not None else None
+        if label:
+            if node.target in _HOOK_CALLS:
+                where = _hook_words(node, label, hook, graph_module, f"graph node {name}")
+            else:
+                where = f"raised while running the backward of {label} (graph node {name})"
+    if where is None and compiled is None:
         return
-    name = line.strip().split(" = ")[0].split(":")[0].strip()
-    for node in graph_module.graph.nodes:
-        if node.name == name:
-            label = node.meta.get("gradfx_node")
-            if label:
-                err.add_note(f"gradfx: raised while running the backward of {label} (graph node {name})")
-            return
+    err.add_note("gradfx: " + (f"{where}, {compiled}" if where and compiled else where or f"raised {compiled}"))
+
+
+_NO_HOOK = object()
+
+
+_HOOK_CALLS = {hook_ops.call_tensor_hook: "tensor hook", hook_ops.call_pre_hook: "pre-hook",
+               hook_ops.call_post_hook: "post-hook", hook_ops.call_post_accumulate_hook: "post-accumulate-grad hook"}
+
+
+def hook_name(hook) -> str:
+    """A hook's qualified name: ``module.Class.method``, ``module.f.<locals>.hook``."""
+    if isinstance(hook, functools.partial):
+        return f"functools.partial({hook_name(hook.func)})"
+    target = hook if hasattr(hook, "__qualname__") else type(hook)
+    qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    module = getattr(target, "__module__", None)
+    return f"{module}.{qualname}" if module and module != "builtins" else qualname
+
+
+def _hook_words(node, label: str, hook, graph_module, graph_node: str) -> str:
+    """``raised in the tensor hook m.f of leaf '0.weight'`` and the like."""
+    kind = _HOOK_CALLS[node.target]
+    if hook is _NO_HOOK:  # not seen in the traceback (a compiled region): the one it was captured with
+        first = node.args[0] if node.args else None
+        named = getattr(first, "meta", {}).get("gradfx_name") if first is not None else None
+        what = f"the {kind} {named}" if named else f"a {kind}"
+    else:
+        what = f"the {kind} {hook_name(hook)}"
+    short = label.replace("torch::autograd::", "")
+    if kind in ("tensor hook", "post-accumulate-grad hook"):
+        index = node.meta.get("gradfx_node_index")
+        leaf = next((p for p in graph_module.graph.find_nodes(op="placeholder")
+                     if p.meta.get("gradfx_kind") == "variable" and p.meta.get("gradfx_node_index") == index), None)
+        if leaf is not None:
+            name = leaf.meta.get("gradfx_name")
+            shape = leaf.meta.get("gradfx_shape")
+            tensor = f"leaf {name!r}" if name else f"a leaf of shape {list(shape) if shape is not None else '?'}"
+            return f"raised in {what} of {tensor} ({short}, {graph_node})"
+        grad = node.args[1] if len(node.args) > 1 else None
+        value = getattr(grad, "meta", {}).get("val") if grad is not None else None
+        shape = f" of shape {list(value.shape)}" if hasattr(value, "shape") else ""
+        return f"raised in {what} of a tensor{shape} (its gradient goes into {short}; {graph_node})"
+    return f"raised in {what} of {short} ({graph_node})"
 
 
 COMPACT_AFTER = 12  # guard lines; more are grouped
