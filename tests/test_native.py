@@ -54,7 +54,7 @@ def test_a_failed_build_says_why_once_and_is_not_retried(fresh, monkeypatch, cap
     monkeypatch.setenv("CXX", "/bin/false")
     assert native.wait(timeout=120) is None
     reason = native.reason()
-    assert reason.startswith("its build failed: ") and "delete" in reason, reason
+    assert reason.startswith("its build failed: ") and "`python -m gradfx build` (or deleting" in reason, reason
     assert os.path.exists(os.path.join(native.directory(), "failed.txt"))
     later = native._State()
     monkeypatch.setattr(native, "_state", later)
@@ -101,3 +101,54 @@ def test_the_session_loaded_the_cached_build():
     x = torch.randn(3, requires_grad=True)
     assert module.hidden(x.exp().grad_fn) is None
     assert module.hidden(torch.native_dropout(x, 0.5, True)[0].grad_fn) == (True,)
+
+
+def test_a_build_it_starts_says_where_its_log_is_and_outliving_the_program_is_said(fresh, caplog):
+    """The start: pid, log, how to build ahead of time or turn it off (INFO); at exit, a build
+    still running gets one WARNING line (visible without any logging set up)."""
+    native.module()
+    builder = native._state.builder
+    assert builder is not None
+    try:
+        log_file = os.path.join(native.directory(), "build.log")
+        [start] = [line for line in _lines(caplog) if "building" in line]
+        assert start.startswith(f"gradfx: building its compiled part in a process of its own (pid {builder.pid}, ")
+        assert f"log: {log_file}" in start and "`python -m gradfx build`" in start and "GRADFX_NATIVE=0" in start
+        assert native.building()
+        caplog.clear()
+        native._still_building()  # what atexit runs
+        [record] = [r for r in caplog.records if r.name == "gradfx"]
+        assert record.levelno == logging.WARNING
+        message = record.getMessage()
+        assert message.startswith(f"gradfx: its compiled part is still building in a process of its own "
+                                  f"(pid {builder.pid}, started ")
+        assert f"log: {log_file}" in message and "`python -m gradfx build`" in message
+        assert "GRADFX_CACHE_DIR" in message and "GRADFX_NATIVE=0" in message
+    finally:
+        builder.kill()
+        builder.wait()
+    caplog.clear()
+    native._still_building()  # finished (here: killed): nothing to say
+    assert not caplog.records
+
+
+def test_an_unwritable_cache_directory_leaves_python_serving(fresh, monkeypatch):
+    blocker = fresh / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GRADFX_CACHE_DIR", str(blocker))  # a directory under a file cannot be made
+    assert native.module() is None
+    reason = native.reason()
+    assert reason.startswith("its cache directory cannot be written (") and "GRADFX_CACHE_DIR" in reason, reason
+
+
+def test_build_now_tries_a_failed_build_again(fresh, monkeypatch):
+    where = native.directory()
+    os.makedirs(where)
+    with open(os.path.join(where, "failed.txt"), "w") as f:
+        f.write("no compiler\n")
+    assert native.module() is None and native.reason().startswith("its build failed: no compiler")
+    monkeypatch.setenv("CXX", "/bin/false")
+    seen = []
+    assert native.build_now(seen.append, timeout=120) is None
+    assert native._state.builder is not None and seen  # built again (and failed again), with progress
+    assert native.reason().startswith("its build failed: ")

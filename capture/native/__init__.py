@@ -7,8 +7,11 @@ it is ready, or where it cannot be built, those nodes run as themselves (opaque)
 they always could.
 
 The first capture of a process starts the build in a process of its own (``build.py``,
-about 30-50 s on two cores), so no backward waits for it; every later capture looks
-whether it has finished (two ``stat`` calls until it has) and loads it then.  The
+about 30-50 s on two idle cores, minutes on a busy machine), so no backward waits for
+it; every later capture looks whether it has finished (two ``stat`` calls until it has)
+and loads it then.  The start is logged at INFO (pid, log file); a build still running
+when the program exits gets one WARNING line at exit, saying where its log is and how
+to build ahead of time (``python -m gradfx build``, :func:`build_now`) or turn it off.  The
 library is cached per torch release, Python release and source (one directory under
 ``$GRADFX_CACHE_DIR``, by default ``~/.cache/gradfx``): later processes load it at once.
 Where it cannot be had (``GRADFX_NATIVE=0``, a torch release gradfx was not tested
@@ -18,6 +21,7 @@ A failed build is not retried until its directory is deleted.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import json
@@ -41,6 +45,7 @@ class _State:
     module = None  # the loaded extension
     reason: str | None = None  # why there is none (decided: not looked for again)
     builder: subprocess.Popen | None = None  # the build this process started
+    started: float = 0.0  # when (time.monotonic())
 
 
 _state = _State()
@@ -131,9 +136,14 @@ def _look(start: bool) -> None:
     if os.path.exists(failed):
         with open(failed) as f:
             first = f.readline().strip()
-        return _unavailable(f"its build failed: {first}; see {failed}, and delete {where} to build again")
+        return _unavailable(f"its build failed: {first}; see {failed}; `python -m gradfx build` (or deleting "
+                            f"{where}) builds it again")
     if start:
         _start_build(where)
+
+
+AHEAD = ("build it ahead of time with `python -m gradfx build` (CI, clusters; GRADFX_CACHE_DIR=DIR puts it "
+         "elsewhere than a read-only home) or turn it off with GRADFX_NATIVE=0")
 
 
 def _start_build(where: str) -> None:
@@ -141,20 +151,87 @@ def _start_build(where: str) -> None:
         if _state.builder.poll() is None:
             return  # still building
         if not os.path.exists(os.path.join(where, "ok.json")):
-            return _unavailable(f"its build stopped with code {_state.builder.returncode} and left no result")
+            return _unavailable(f"its build stopped with code {_state.builder.returncode} and left no result; "
+                                f"see {os.path.join(where, 'build.log')}")
         return
-    os.makedirs(where, exist_ok=True)
     lock = os.path.join(where, "building")
-    if not _claim(lock):
-        return  # another process builds it: this one loads it when it is ready
-    with open(os.path.join(where, "build.log"), "w") as out:
+    try:
+        os.makedirs(where, exist_ok=True)
+        if not _claim(lock):
+            return  # another process builds it: this one loads it when it is ready
+        out = open(os.path.join(where, "build.log"), "w")
+    except OSError as err:
+        return _unavailable(f"its cache directory cannot be written ({type(err).__name__}: {err}); set "
+                            "GRADFX_CACHE_DIR to a writable directory (`python -m gradfx build` builds it there "
+                            "ahead of time), or GRADFX_NATIVE=0 to turn it off")
+    with out:
         _state.builder = subprocess.Popen(
             [sys.executable, os.path.join(_HERE, "build.py"), where, NAME],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     with open(lock, "w") as f:
         f.write(str(_state.builder.pid))
-    log.info("gradfx: building its compiled part in the background in %s; Python serves until it is ready",
-             where)
+    _state.started = time.monotonic()
+    atexit.register(_still_building)
+    log.info("gradfx: building its compiled part in a process of its own (pid %d, about a minute; log: %s); "
+             "Python serves until it is ready. To have it from the first run, %s", _state.builder.pid,
+             os.path.join(where, "build.log"), AHEAD)
+
+
+def _still_building() -> None:
+    """At exit: a build this process started and that is still running outlives it; say so."""
+    builder = _state.builder
+    if builder is None or builder.poll() is not None:
+        return
+    log.warning("gradfx: its compiled part is still building in a process of its own (pid %d, started %.0f s "
+                "ago; log: %s); later processes use it once it is ready. To have it from the first run, %s",
+                builder.pid, time.monotonic() - _state.started, os.path.join(directory(), "build.log"), AHEAD)
+
+
+def building() -> bool:
+    """Whether a build of this release's compiled part is running (this process's or another's)."""
+    if _state.builder is not None:
+        return _state.builder.poll() is None
+    try:
+        with open(os.path.join(directory(), "building")) as f:
+            pid = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return False
+    return not pid or _alive(pid)
+
+
+def build_now(progress=None, timeout: float = 1800.0):
+    """The extension, built now if need be, for ``python -m gradfx build`` and the demo:
+    starts the build (a failed one is tried again: its result is deleted first) or joins
+    the one running, calling ``progress(seconds waited)`` about once a second until it is
+    loaded.  None where it cannot be had: ``reason()`` says why (or the wait timed out)."""
+    if _state.module is not None:
+        return _state.module
+    with _lock:
+        if _state.reason is not None and _state.reason.startswith("its build"):
+            failed = os.path.join(directory(), "failed.txt")
+            try:
+                os.unlink(failed)
+            except OSError:
+                pass
+            _state.reason, _state.builder = None, None
+    started = time.monotonic()
+    while module() is None and _state.reason is None:
+        waited = time.monotonic() - started
+        if waited > timeout:
+            return None
+        if progress is not None:
+            progress(waited)
+        time.sleep(1.0)
+    return _state.module
+
+
+def report() -> dict | None:
+    """What the build left (``ok.json``: seconds, bytes, library), where it is loaded."""
+    try:
+        with open(os.path.join(directory(), "ok.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _claim(lock: str) -> bool:
