@@ -21,7 +21,13 @@ from transformers' configs: nothing is downloaded; skipped with a message when
 transformers is not installed: ``pip install -e ".[models]"``).
 
 Usage: python bench/bench_backward.py [--models mlp transformer] [--backend eager]
-       [--skip-torch] [--skip-recapture] [--steps 50] [--threads 1|2]
+       [--skip-torch] [--skip-recapture] [--steady-only] [--steps 50] [--threads 1|2]
+       [--no-results]
+``--steady-only`` measures the steady state alone (no child processes: the short run).
+Each run merges its steady-state ratios (median of the per-round ratios and their
+middle half), node counts, date, machine and torch release into ``bench/results.json``
+(``bench/results_file.py``) under ``bench_backward --backend B --threads T`` (and
+`` GRADFX_NATIVE=0`` where it is set); ``--no-results`` leaves the file alone.
 ``--backend whole-inductor`` hands gradfx's whole graph to
 ``torch.compile(gm, backend="inductor", fullgraph=True)`` (``--backend inductor``
 is gradfx's built-in split: the pure part compiled, accumulation in Python).
@@ -151,6 +157,16 @@ def _seq2seq_loss(model, ids):
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
 
 
+def _demo_mlp():
+    """``python -m gradfx demo``'s model (gradfx/__main__.py)."""
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 10))
+
+
+def _demo_loss(model, x):
+    target = torch.arange(x.shape[0]) % 10
+    return nn.functional.cross_entropy(model(x), target)
+
+
 def _randn(shape):
     return torch.randn(*shape)
 
@@ -164,6 +180,8 @@ MODELS = {
     # 8 x (Linear(256) + GELU + LayerNorm), batch 64
     "mlp": (lambda: nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.LayerNorm(256))
                                     for _ in range(8)]), (64, 256), (48, 256), _randn, _sum_loss, False),
+    # the demo's MLP: Linear(64, 128), GELU, LayerNorm, Linear(128, 10), batch 32, cross-entropy
+    "demo": (_demo_mlp, (32, 64), (24, 64), _randn, _demo_loss, False),
     # 2-layer TransformerEncoder, d=128, 4 heads, ff 256, input 8x32x128
     "transformer": (_transformer, (8, 32, 128), (8, 24, 128), _randn, _sum_loss, False),
     # 4 x (Linear(1024) + GELU + LayerNorm), batch 512 (compute-bound)
@@ -293,16 +311,29 @@ def _child(mode, name, kind, backend, threads):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def steady_state(name, kinds, backend, steps):
+def _quantile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def steady_state(name, kinds, backend, steps, warmup=5):
+    """Each engine's median time, and per engine the median and middle half (25th-75th
+    percentile) of its time over eager's in the same round: engines alternate, one
+    backward each per round, after ``warmup`` rounds."""
     model, x, loss_fn = _setup(name)
     ctxs = {k: _engine(k, backend) for k in kinds}
     times = {k: [] for k in kinds}
-    for step in range(steps + 5):
+    for step in range(steps + warmup):
         for k in kinds:
             t = _timed_backward(ctxs[k], model, x, loss_fn)
-            if step >= 5:
+            if step >= warmup:
                 times[k].append(t)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    out = {k: _quantile(v, 0.5) for k, v in times.items()}
+    for k in kinds:
+        if k != "eager":
+            pairs = [t / e for t, e in zip(times[k], times["eager"])]
+            out[k + "/eager"] = (_quantile(pairs, 0.5), _quantile(pairs, 0.25), _quantile(pairs, 0.75))
+    return out
 
 
 def _s(result, key="seconds"):
@@ -322,6 +353,9 @@ def main():
     p.add_argument("--backend", default="eager")
     p.add_argument("--skip-torch", action="store_true", help="skip PyTorch's compiled autograd")
     p.add_argument("--skip-recapture", action="store_true", help="skip the size-change and dynamic=True runs")
+    p.add_argument("--steady-only", action="store_true",
+                   help="measure the steady state alone (no first-backward or recapture child processes)")
+    p.add_argument("--no-results", action="store_true", help="do not write bench/results.json")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--threads", type=int, choices=[1, 2], help="torch.set_num_threads (default: torch's)")
     args = p.parse_args()
@@ -332,33 +366,43 @@ def main():
         CHILD_MODES[mode](name, kind, backend)
         return
     kinds = ["eager", "gradfx"] + ([] if args.skip_torch else ["torch_ca"])
+    from gradfx.capture import native
+    if native.wait() is None:  # measure with gradfx's compiled part, built now if need be
+        print(f"gradfx's compiled part is not used: {native.reason()}")
     print(f"backend={args.backend} torch={torch.__version__} threads={torch.get_num_threads()}")
     summary = []
+    recorded = {}
     for name in args.models:
         if not _available(name):
             print(f"\n[{name}] skipped: transformers is not installed (pip install -e \".[models]\")")
             continue
-        first = {k: _child("first", name, k, args.backend, args.threads) for k in kinds if k != "eager"}
-        warm = {k: _child("first_warm", name, k, args.backend, args.threads) for k in kinds if k != "eager"}
+        if args.steady_only:
+            first = {k: {} for k in kinds if k != "eager"}
+            warm = {k: {} for k in kinds if k != "eager"}
+        else:
+            first = {k: _child("first", name, k, args.backend, args.threads) for k in kinds if k != "eager"}
+            warm = {k: _child("first_warm", name, k, args.backend, args.threads) for k in kinds if k != "eager"}
         resize, symbolic = {}, {}
-        if not args.skip_recapture:
+        if not args.skip_recapture and not args.steady_only:
             resize = {k: _child("resize", name, k, args.backend, args.threads) for k in kinds if k != "eager"}
             symbolic = _child("symbolic", name, "gradfx", args.backend, args.threads)
         steady = steady_state(name, kinds, args.backend, args.steps)
-        g = first["gradfx"]
+        g = first["gradfx"] or _child("first_warm", name, "gradfx", args.backend, args.threads)
         print(f"\n[{name}] autograd nodes {g.get('autograd_nodes')}, opaque {g.get('opaque_nodes')}, "
               f"fx nodes {g.get('fx_nodes')}")
         line = f"  first backward: gradfx {_s(g)}"
         if "torch_ca" in first:
             t = _num(first["torch_ca"])
             line += f", torch compiled autograd {_s(first['torch_ca'])} (gradfx = 1/{t / _num(g):.1f} of it)"
-        print(line)
+        if not args.steady_only:
+            print(line)
         gw = warm["gradfx"]
         line = f"  first backward, warm process: gradfx {_s(gw)}"
         if "torch_ca" in warm:
             t = _num(warm["torch_ca"])
             line += f", torch compiled autograd {_s(warm['torch_ca'])} (gradfx = 1/{t / _num(gw):.1f} of it)"
-        print(line)
+        if not args.steady_only:
+            print(line)
         if resize:
             shape, shape2 = MODELS[name][1], MODELS[name][2]
             r = resize["gradfx"]
@@ -370,12 +414,29 @@ def main():
             print(f"  first symbolic capture (dynamic=True): gradfx {_s(symbolic)} "
                   f"(other size: {_s(symbolic, 'resized')}, captures {symbolic.get('stats', {}).get('captures', '?')})")
         e = steady["eager"]
-        line = f"  steady backward: eager {e * 1e3:.3f} ms, gradfx {steady['gradfx'] * 1e3:.3f} ms ({steady['gradfx'] / e:.2f}x)"
+        ratio, low, high = steady["gradfx/eager"]
+        line = (f"  steady backward: eager {e * 1e3:.3f} ms, gradfx {steady['gradfx'] * 1e3:.3f} ms "
+                f"({ratio:.2f}x, middle half {low:.2f}-{high:.2f}x)")
+        entry = {"steps": args.steps, "eager_ms": round(e * 1e3, 4), "gradfx_ms": round(steady["gradfx"] * 1e3, 4),
+                 "ratio": round(ratio, 3), "spread": [round(low, 3), round(high, 3)],
+                 "autograd_nodes": g.get("autograd_nodes"), "opaque_nodes": g.get("opaque_nodes")}
         if "torch_ca" in steady:
-            line += f", torch compiled autograd {steady['torch_ca'] * 1e3:.3f} ms ({steady['torch_ca'] / e:.2f}x)"
+            tratio, tlow, thigh = steady["torch_ca/eager"]
+            line += (f", torch compiled autograd {steady['torch_ca'] * 1e3:.3f} ms ({tratio:.2f}x, middle half "
+                     f"{tlow:.2f}-{thigh:.2f}x)")
+            entry.update(torch_ca_ms=round(steady["torch_ca"] * 1e3, 4), ratio_torch_ca=round(tratio, 3),
+                         spread_torch_ca=[round(tlow, 3), round(thigh, 3)])
         print(line, flush=True)
-        summary.append((name, _num(g), _num(gw), _num(resize.get("gradfx")), _num(symbolic),
-                        steady["gradfx"] / e, steady["torch_ca"] / e if "torch_ca" in steady else float("nan")))
+        recorded[name] = entry
+        summary.append((name, _num(first["gradfx"]), _num(gw), _num(resize.get("gradfx")), _num(symbolic),
+                        ratio, steady["torch_ca/eager"][0] if "torch_ca" in steady else float("nan")))
+    if recorded and not args.no_results:
+        import results_file
+        key = f"bench_backward --backend {args.backend} --threads {torch.get_num_threads()}"
+        if os.environ.get("GRADFX_NATIVE") == "0":
+            key += " GRADFX_NATIVE=0"
+        results_file.record(key, recorded, threads=torch.get_num_threads(),
+                            compiled_part=native.module() is not None)
     if summary:
         print(f"\nsummary (threads={torch.get_num_threads()}, backend={args.backend}): "
               "first (fresh, warm process), recapture (auto), first symbolic (True) in s; steady ratios vs eager")

@@ -14,7 +14,11 @@ non-reentrant ``torch.utils.checkpoint``: saved tensors under checkpoint's hooks
 plain ones (capture/graph/unpacked.py).
 
 Usage: python bench/bench_memory.py [--batch 512] [--width 1024] [--layers 4] [--checkpoint none|half|all]
-       [--profiler]
+       [--profiler] [--no-results]
+
+Each run merges its peaks and ratios to eager, with date, machine and torch release,
+into ``bench/results.json`` (``bench/results_file.py``) under ``bench_memory`` and its
+flags; ``--no-results`` leaves the file alone.
 """
 
 from __future__ import annotations
@@ -162,6 +166,7 @@ def main():
     p.add_argument("--checkpoint", choices=["none", "half", "all"], default="none",
                    help="run every other block (half) or every block (all) under a non-reentrant checkpoint")
     p.add_argument("--profiler", action="store_true", help="measure with the profiler's memory events")
+    p.add_argument("--no-results", action="store_true", help="do not write bench/results.json")
     args = p.parse_args()
     counter = None if args.profiler else counting_allocator()
     if counter is not None:
@@ -199,6 +204,12 @@ def main():
           f"checkpoint {args.checkpoint} ({how})")
     for name, value in peaks.items():
         print(f"  {name:34s} peak {value / 2**20:8.2f} MiB  ({value / base:.3f}x eager)")
+    if not args.no_results:
+        import results_file
+        key = (f"bench_memory --batch {args.batch} --width {args.width} --layers {args.layers} "
+               f"--checkpoint {args.checkpoint}" + (" --profiler" if args.profiler else ""))
+        results_file.record(key, {name: {"peak_mib": round(value / 2**20, 3), "ratio": round(value / base, 3)}
+                                  for name, value in peaks.items()}, measured_with=how)
 
 
 if __name__ == "__main__":
