@@ -143,7 +143,8 @@ def _meta_call(fn, node: fx.Node):
             return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
         return a
     args = [twin(a) for a in node.args]
-    kwargs = {k: twin(v) for k, v in node.kwargs.items()}
+    # A factory's device too: nothing real runs (a random one would draw from the generator).
+    kwargs = {k: "meta" if k == "device" else twin(v) for k, v in node.kwargs.items()}
     recorder = _Recorder()
     with torch._C.DisableTorchFunction(), recorder:
         out = fn(*args, **kwargs)

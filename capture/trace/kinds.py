@@ -57,16 +57,58 @@ def data_inputs(node: fx.Node) -> list:
 
 
 def has_side_effect(node: fx.Node) -> bool:
-    """Must the node stay even if nothing uses its result?"""
+    """Must the node stay, and keep its place among the other side effects, even if
+    nothing uses its result?"""
     if node.op in ("placeholder", "output"):
         return True
     if node.op != "call_function":
         return False
     if kind_of(node) in SIDE_EFFECTS:
         return True
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):  # in-place and out= ops write to their arguments
+    return op_has_side_effect(node.target)
+
+
+# Tagged nondeterministic_seeded, yet they replay the forward's dropout from the seed and
+# offset passed to them as tensors: no generator is read or advanced.
+_SEEDED_BY_ARGUMENTS = frozenset(
+    getattr(getattr(torch.ops.aten, name, None), "default", None)
+    for name in ("_scaled_dot_product_efficient_attention_backward",
+                 "_scaled_dot_product_cudnn_attention_backward")) - {None}
+
+_op_effects: dict = {}  # target -> bool, for hashable targets
+
+
+def op_has_side_effect(target) -> bool:
+    """Does calling ``target`` do more than return its result?  In-place and out= ops (they
+    write to their arguments), random draws (they advance a generator: dropping or
+    reordering one changes every later draw), and what fx or torch mark effectful."""
+    try:
+        return _op_effects[target]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable: not an op
+        return False
+    found = _op_effects[target] = _effectful(target)
+    return found
+
+
+def _effectful(target) -> bool:
+    if target in fx.node._side_effectful_functions:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
         schema = target._schema
-        return schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write
-                                        for a in schema.arguments)
+        if schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return True
+        if torch.Tag.nondeterministic_seeded in target.tags and target not in _SEEDED_BY_ARGUMENTS:
+            return True
+        return _registered_effect(target)
     return False
+
+
+def _registered_effect(op) -> bool:
+    """Registered with torch.library's effect registry (ordered with effect tokens)."""
+    try:
+        from torch._higher_order_ops.effects import _get_effect
+    except ImportError:  # the registry's reader is private: where it moves, nothing is registered there
+        return False
+    return _get_effect(op) is not None

@@ -569,7 +569,9 @@ class _Tracer:
                     return None  # only the engine knows those gradients' shapes: runs opaque
                 grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1]) if g is None else g
                          for k, g in enumerate(grads)]
-            out = self._apply_function(i, ctx, grads)
+            with _generators_untouched():
+                out = self._apply_function(i, ctx, grads)
+            self.no_held_objects(before[0])
             return runtime_ops.function_outputs(ctx.name(), ctx.needs_input_grad, out,
                                                 [e is not None for e in self.call.records[i].edges])
         except Exception as err:
@@ -587,6 +589,16 @@ class _Tracer:
             ints = aot_regions.with_saved_ints(ctx, self.symbolic.rebuild(*slot))
         with aot_regions.replayed(ctx._forward_cls), ints:
             return ctx.apply(*grads)
+
+    def no_held_objects(self, last) -> None:
+        """Raise where the nodes recorded after ``last`` read an object the trace would
+        hold (a ``torch.Generator`` passed to a draw): the backward then runs as itself,
+        drawing from the user's generator at run time as eager does."""
+        node = last.next
+        while node.op != "root":
+            if node.op == "get_attr":
+                raise TypeError(f"its backward passes an object to an op ({node.target})")
+            node = node.next
 
     def stand_ins(self, i, grads) -> list:
         """Slots of custom Function node ``i`` without a gradient whose metadata may be a
@@ -877,3 +889,29 @@ def _plain(t: torch.Tensor) -> bool:
     fake of its sizes and strides alone stands for it in a static trace."""
     return (t.layout is torch.strided and not t.is_conj() and not t.is_neg() and not t.is_quantized
             and not t.is_nested and type(t) in (torch.Tensor, torch.nn.Parameter))
+
+
+class GeneratorTouched(RuntimeError):
+    """A traced backward moved a real random generator's state."""
+
+
+@contextlib.contextmanager
+def _generators_untouched():
+    """Around a custom backward traced on fakes: its random draws on fakes record ops and
+    leave the generators alone.  Python that reads or sets a generator's state
+    (``torch.manual_seed``, a draw on a real tensor) would do it now,
+    at trace time, and never in the graph: the state is put back and the backward runs
+    as itself (GeneratorTouched), so every draw happens when eager's would."""
+    before = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:  # put back also where the trace failed otherwise (the backward then runs as itself)
+        touched = not torch.equal(before, torch.random.get_rng_state())
+        if touched:
+            torch.random.set_rng_state(before)
+        if cuda is not None and any(not torch.equal(a, b) for a, b in zip(cuda, torch.cuda.get_rng_state_all())):
+            torch.cuda.set_rng_state_all(cuda)
+            touched = True
+    if touched:
+        raise GeneratorTouched("its backward changed a random generator's state while traced")
