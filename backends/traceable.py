@@ -322,6 +322,7 @@ class Adapter:
         # (position of the leaf, may steal, may be None); None: they stay in the graph.
         self.deferred: list[tuple] | None = None
         self.outputs = 0  # how many of the graph's outputs are its own
+        self.used: list[int] | None = None  # the positions the graph takes (None: all)
 
     def __call__(self, args) -> list:
         args = list(args)
@@ -339,6 +340,8 @@ class Adapter:
             t = args[pos]
             if t is not None and t.requires_grad:
                 args[pos] = t.detach()
+        if self.used is not None:
+            args = [args[pos] for pos in self.used]
         return args
 
     def leaves(self, args) -> list | None:
@@ -449,8 +452,24 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
             node.args = (node.args[0], node.args[1], False)
     adapter.contexts = sorted(set(adapter.contexts))
     adapter.outputs = len(graph.output_node().args[0]) - len(adapter.deferred or ())
+    _drop_unused_inputs(graph, adapter, placeholders)
     graph.lint()
     return fx.GraphModule(gm, graph), adapter
+
+
+def _drop_unused_inputs(graph, adapter, placeholders) -> None:
+    """The graph takes what it uses, nothing else: the live nodes its custom ops run go
+    through the slot table, deferred accumulations' leaves stay with the run, and what
+    the graph reads of no other input (a node a hook no longer takes) is dropped.  So a
+    backend's example inputs are tensors and sizes, plus a hook's callable or a custom
+    backward's ``ctx.__dict__`` where the graph calls Python that reads them."""
+    used = [k for k, n in enumerate(placeholders) if n.users]
+    if len(used) == len(placeholders):
+        return
+    for n in placeholders:
+        if not n.users:
+            graph.erase_node(n)
+    adapter.used = used
 
 
 def _defer_accumulations(graph, accumulations, adapter, position) -> None:

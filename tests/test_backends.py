@@ -1,6 +1,7 @@
 """Built-in and user backends: correct results, one compile per structure, failures handled."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -173,3 +174,72 @@ def test_garbage_collector_pauses_during_a_capture_only(user_turned_it_off):
     finally:
         gc.enable() if was else gc.disable()
     assert seen == [False, False]
+
+
+# -- the contract a torch.compile user's first custom backend relies on ---------------
+
+def _transformer():
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def test_first_custom_backend_of_a_torch_compile_user(capsys):
+    """The backend torch.compile's docs start with: shapes of the example inputs, the
+    graph's table, the graph back.  Every example input is a tensor or a size (the graph
+    calls no Python object here: no autograd node, no leaf it does not read)."""
+    seen = []
+
+    def my_backend(gm, example_inputs):
+        seen.append([type(e) for e in example_inputs])
+        print([e.shape for e in example_inputs])
+        gm.graph.print_tabular()
+        return gm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradfx.FallbackWarning)
+        compare_training(_transformer, lambda: (torch.randn(5, 3, 32),), lambda out: out.mean(),
+                         backend=my_backend)
+    assert len(seen) == 1 and all(t in (torch.Tensor, torch.nn.Parameter) for t in seen[0]), seen
+    assert "opcode" in capsys.readouterr().out  # print_tabular's header
+
+
+def test_graph_inputs_are_what_it_uses():
+    """Placeholders a backend gets all have users; hooks reach the graph as their callables."""
+    inputs = []
+
+    def backend(gm, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        assert len(placeholders) == len(example_inputs)
+        assert all(n.users for n in placeholders), [n.name for n in placeholders if not n.users]
+        inputs.append(example_inputs)
+        return gm
+
+    compare_training(Hooked, lambda: (torch.randn(8, 16),), backend=backend)
+    kinds = {type(e) for e in inputs[0]}
+    assert callable([e for e in inputs[0] if not isinstance(e, torch.Tensor)][0])
+    assert kinds - {torch.Tensor, torch.nn.Parameter} and all(
+        isinstance(e, (torch.Tensor, int)) or callable(e) for e in inputs[0])
+
+
+def test_torch_compile_of_the_graph_with_opaque_nodes():
+    """A graph that runs a node as itself: it reaches the graph through a custom op, not
+    as an input; torch.compile(gm) compiles it."""
+    from helpers import Double
+
+    class WithDouble(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            return self.net(Double.apply(self.net[0](x)).relu().matmul(torch.ones(32, 16)))
+
+    types = []
+
+    def backend(gm, example_inputs):
+        types.extend(type(e) for e in example_inputs)
+        return torch.compile(gm, backend="aot_eager")
+
+    compare_training(WithDouble, lambda: (torch.randn(8, 16),), backend=backend, exact=False,
+                     allow_opaque=("DoubleBackward",))
+    assert set(types) <= {torch.Tensor, torch.nn.Parameter, dict}, types
