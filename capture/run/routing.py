@@ -9,7 +9,9 @@ functional tensors under its tracing modes, functorch transforms) the session
 sends straight to the engine, uncounted (``torch_internal``).  A user's
 ``loss.backward()`` inside a ``torch.compile``'d function reaches here after
 dynamo breaks the graph at it: that one is captured like any other, and dynamo
-is kept out of gradfx's own frames.
+is kept out of gradfx's own frames.  A backward called while another runs on the
+thread (a reentrant checkpoint's, one inside a custom backward or a hook) runs on the
+engine, uncounted, as in eager and as PyTorch's compiled autograd runs it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ class RoutingEngine:
         block = current()
         if block is None:
             return self.engine.run_backward(tensors, *args, **kwargs)
+        if getattr(_running, "stack", None):
+            # A backward called while a backward runs on this thread (a reentrant
+            # checkpoint, a custom backward or hook that calls backward or grad): the
+            # engine runs it, as a nested graph task of its own, as in eager and as
+            # PyTorch's compiled autograd does.  It is part of the outer backward: not
+            # captured, not counted.
+            return run_on_engine(self.engine, tensors, *args, **kwargs)
         return block.run_backward(self.engine, tensors, *args, **kwargs)  # it asks torch_internal
 
     def queue_callback(self, callback):
@@ -47,6 +56,9 @@ class RoutingEngine:
         return self.engine.queue_callback(callback)
 
     def is_checkpoint_valid(self):
+        stack = getattr(_running, "stack", None)
+        if stack and stack[-1] is None:  # the engine's own backward runs innermost: its task answers
+            return self.engine.is_checkpoint_valid()
         valid = hook_ops.checkpoint_valid()  # the task of a gradfx backward, if one runs
         return self.engine.is_checkpoint_valid() if valid is None else valid
 
@@ -82,14 +94,30 @@ _running = threading.local()
 
 
 def final_callbacks() -> list | None:
-    """The final-callback list of the gradfx backward running on this thread, if any."""
+    """The final-callback list of the gradfx backward running innermost on this thread, if
+    any (None where the engine runs the innermost one: its graph task holds them)."""
     stack = getattr(_running, "stack", None)
     return stack[-1] if stack else None
 
 
+def run_on_engine(engine, *args, **kwargs):
+    """Run a backward on the C++ engine, marked as running on this thread: a backward called
+    inside it goes to the engine as well, and its final callbacks and checkpoint question
+    go to the engine's graph task (the innermost one), not to a gradfx backward around it."""
+    stack = getattr(_running, "stack", None)
+    if stack is None:
+        stack = _running.stack = []
+    stack.append(None)
+    try:
+        return engine.run_backward(*args, **kwargs)
+    finally:
+        stack.pop()
+
+
 def begin_backward() -> list:
     """A gradfx backward run begins on this thread: the list its final callbacks collect
-    in (``queue_callback``).  ``end_backward`` must follow, in a ``finally``."""
+    in (``queue_callback``).  ``end_backward`` must follow, in a ``finally``.  Until then a
+    backward called on this thread runs on the engine (``RoutingEngine.run_backward``)."""
     stack = getattr(_running, "stack", None)
     if stack is None:
         stack = _running.stack = []

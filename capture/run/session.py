@@ -289,7 +289,7 @@ class Session:
             warnings.warn(f"gradfx: running this backward on the eager engine: {reason}",
                           FallbackWarning, stacklevel=user_stacklevel())
         self._count("fallbacks")
-        return engine.run_backward(*args)
+        return routing.run_on_engine(engine, *args)  # a backward inside it runs on the engine too
 
     def _capture(self, call: BackwardCall, structure, tensors, grad_inputs=()) -> CompiledBackward:
         """Capture and compile ``call``; ``structure`` is its cache key (an Assumed key for
