@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import gradfx
-from helpers import assert_same, grads_of, run_both
+from helpers import assert_same, grads_of, hooked_captures, run_both
 
 
 @pytest.fixture(autouse=True)
@@ -164,3 +164,119 @@ def test_backward_inside_a_fallback_runs_on_the_engine():
             MyFn.apply(x).sum().backward()
     assert session.stats == dict(session.stats, captures=0, fallbacks=1)
     assert_same(grads_of([x]), grads_of([expected_x]))
+
+
+class _Counting:
+    """A one-argument backend as PyTorch's compiled autograd takes: torch.compile of the
+    graph (dynamo's eager backend, no graph break allowed unless ``fullgraph=False``),
+    counting the dynamo graphs it compiles."""
+
+    def __init__(self, fullgraph=True):
+        self.fullgraph, self.graphs = fullgraph, 0
+
+    def __call__(self, gm):
+        def count(gm_, example_inputs):
+            self.graphs += 1
+            return gm_
+        return torch.compile(gm, backend=count, fullgraph=self.fullgraph, dynamic=True)
+
+
+def test_reentrant_checkpoint_under_torch_compile_is_one_graph():
+    """PyTorch's compiled autograd compiles the graph of a reentrant checkpoint in 3 dynamo
+    graphs (test_checkpointing_simple_reentrant_True); gradfx's is one, with the
+    checkpoint's backward an opaque call, and the inner backward on the engine: gradients
+    bitwise eager's, the recomputation run as often, the RNG state after it eager's."""
+    torch._dynamo.reset()
+
+    def run(compiled):
+        torch.manual_seed(3)
+        inp = torch.rand(10, 10, requires_grad=True)
+        calls = []
+
+        def fn(x):
+            calls.append(1)
+            y = torch.nn.functional.dropout(x.sin(), 0.2)
+            return (y * y.cos()).sum()
+
+        out = checkpoint(fn, inp, use_reentrant=True)
+        if compiled is None:
+            out.backward()
+        else:
+            with gradfx.compiled_autograd(backend=compiled) as session:
+                out.backward()
+            assert session.stats["captures"] == 1
+        return inp.grad, len(calls), torch.rand(2)
+
+    backend = _Counting(fullgraph=False)
+    expected, got = run(None), run(backend)
+    assert backend.graphs == 1
+    assert torch.equal(expected[0], got[0]) and expected[1] == got[1] == 2 and torch.equal(expected[2], got[2])
+
+
+def test_selective_checkpoint_under_torch_compile_is_one_graph():
+    """PyTorch's compiled autograd breaks the graph of a selective checkpoint 4 times
+    (test_checkpointing_sac: 5 dynamo graphs); gradfx compiles one: the unpacks run in
+    Python between compiled regions (docs/SEMANTICS.md).  Gradients bitwise eager's."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    torch._dynamo.reset()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_RECOMPUTE if op is torch.ops.aten.addmm.default \
+            else CheckpointPolicy.PREFER_SAVE
+
+    def run(compiled):
+        torch.manual_seed(5)
+        model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(4)])
+        x = torch.randn(1, 10)
+        for _ in range(2):
+            out = checkpoint(model, x, use_reentrant=False,
+                             context_fn=lambda: create_selective_checkpoint_contexts(policy))
+            if compiled is None:
+                out.sum().backward()
+            else:
+                with gradfx.compiled_autograd(backend=compiled):
+                    out.sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    backend = _Counting(fullgraph=False)
+    expected, got = run(None), run(backend)
+    assert_same(expected, got)
+    # one dynamo graph per gradfx graph, no graph break (the first backward of the structure
+    # learns how the hooks unpack, the second captures the formulas: hooked_captures)
+    assert backend.graphs == gradfx.stats()["captures"] == hooked_captures(), (backend.graphs, gradfx.stats())
+
+
+def test_sparse_gradient_of_a_custom_backward_under_torch_compile():
+    """A custom backward that returns a sparse gradient for a leaf whose .grad is dense:
+    dynamo breaks at torch.sparse_coo_tensor (it cannot trace sparse tensors) and the
+    rest runs eagerly; one dynamo graph, as PyTorch's (test_accumulate_grad_polyfill_case_2_3_3),
+    and eager's in-place accumulation into the same .grad object."""
+    torch._dynamo.reset()
+
+    class SparseGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.sparse_coo_tensor(torch.tensor([[0, 1], [0, 1]]), torch.tensor([3.0, 3.0]), g.size())
+
+    def run(compiled):
+        var = torch.ones(2, 2, requires_grad=True)
+        var.grad = torch.ones(2, 2)
+        before = var.grad
+        out = SparseGrad.apply(var)
+        if compiled is None:
+            out.backward(torch.ones_like(out))
+        else:
+            with gradfx.compiled_autograd(backend=compiled):
+                out.backward(torch.ones_like(out))
+        assert var.grad is before and not var.grad.is_sparse
+        return var.grad
+
+    backend = _Counting(fullgraph=False)
+    expected = run(None)
+    with pytest.warns(UserWarning):  # dynamo's and torch's words on sparse tensors
+        got = run(backend)
+    assert torch.equal(expected, got) and backend.graphs == 1

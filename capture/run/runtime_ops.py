@@ -410,8 +410,11 @@ def function_outputs(name: str, needs_input_grad, result, valid_edges) -> list:
         raise RuntimeError(f"function {name} returned an incorrect number of gradients "
                            f"(expected {n}, got {len(result)})")
     _check_function_result(name, needs_input_grad, result, len(valid_edges))
-    wanted = iter([r for r, need in zip(result, needs_input_grad) if need])
-    unneeded = iter(_unneeded_gradients(needs_input_grad, result, len(valid_edges) - sum(valid_edges)))
+    wanted = [r for r, need in zip(result, needs_input_grad) if need]
+    n_unneeded = len(valid_edges) - sum(valid_edges)
+    if not n_unneeded:  # every edge has a next node (the common case): nothing else to place
+        return wanted
+    wanted, unneeded = iter(wanted), iter(_unneeded_gradients(needs_input_grad, result, n_unneeded))
     return [next(wanted) if valid else next(unneeded) for valid in valid_edges]
 
 
