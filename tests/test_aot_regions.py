@@ -180,3 +180,35 @@ def test_inductor_region_inside_inductor_graph():
     (eager, eager_log), (gfx, gfx_log) = run_both_close
     assert eager_log == gfx_log
     assert_same(eager, gfx, exact=False)
+
+
+def _masked(x):
+    """AOT lifts the masks' and scalars' tensor constants into the backward graph."""
+    keep = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    return (torch.where(keep, x, torch.tensor(0.0)) * torch.tensor(3.0)).sum()
+
+
+def _weighted(x):
+    return (x * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum()
+
+
+@pytest.mark.parametrize("fn, traced", [(_masked, True), (_weighted, False)])
+def test_tensor_constants_in_a_region_backward(fn, traced, caplog):
+    """A one-valued constant is made by an op in the graph (the region is traced); one of
+    several values keeps the region a call of itself, said once at INFO. Bitwise both ways."""
+    region = torch.compile(fn, backend="aot_eager")
+    results = []
+    for use in (False, True, True):
+        x = torch.linspace(-2.0, 2.0, 16).reshape(4, 4).requires_grad_()
+        loss = region(x)
+        if use:
+            with caplog.at_level("INFO", logger="gradfx"), gradfx.compiled_autograd(backend="eager") as session:
+                loss.backward()
+            if session.graphs:
+                assert (session.graphs[0].opaque_nodes == []) == traced
+        else:
+            loss.backward()
+        results.append(x.grad)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    said = [r for r in caplog.records if "runs as itself, not traced" in r.getMessage()]
+    assert len(said) == (0 if traced else 1)

@@ -23,6 +23,7 @@ its graph kept) stays an opaque call of its real backward.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 
@@ -30,6 +31,7 @@ import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
+log = logging.getLogger("gradfx")
 
 _state = threading.local()  # .replaying: the Function classes replayed on this thread
 _deserialized: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Function class -> its graph
@@ -56,6 +58,20 @@ def backward_graph(function_cls):
 
 def is_region(function_cls) -> bool:
     return backward_graph(function_cls) is not None
+
+
+_told: "weakref.WeakSet" = weakref.WeakSet()  # region classes whose replay failure was logged
+
+
+def say_why_opaque(function_cls, err: Exception) -> None:
+    """Once per region, at INFO: its backward graph could not be replayed on fakes, so it
+    runs as itself (uncompiled by gradfx's backend, a call in the graph)."""
+    if function_cls in _told or not is_region(function_cls):
+        return
+    _told.add(function_cls)
+    first = str(err).strip().splitlines()
+    log.info("gradfx: a torch.compile'd region's backward (%s) runs as itself, not traced: %s: %s",
+             function_cls.__name__, type(err).__name__, first[0] if first else "")
 
 
 def ctx_key(ctx) -> tuple | None:
@@ -92,6 +108,22 @@ class _Replay(fx.Interpreter):
         if target is aten.view.default:
             target = aten.reshape.default
         return super().call_function(target, args, kwargs)
+
+    def get_attr(self, target, args, kwargs):
+        """A tensor constant of the graph (AOT lifts ``torch.tensor(0.0)`` and masks so), made
+        by an op the trace records: ``full`` of its one value.  A constant of several values
+        has no such op (the region then runs as itself, saying why)."""
+        value = super().get_attr(target, args, kwargs)
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch._subclasses.FakeTensor):
+            return value
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():  # read the real constant, not through the trace's fake mode
+            flat = value.detach().reshape(-1)
+            if flat.numel() > 0 and not bool((flat == flat[0]).all()):
+                raise TypeError(f"its backward graph holds a tensor constant of {flat.numel()} different "
+                                f"values ({target}), which a traced graph cannot take")
+            fill = flat[0].item() if flat.numel() else 0
+        return torch.full(value.shape, fill, dtype=value.dtype, device=value.device)
 
 
 def _replaying(original, function_cls):

@@ -576,6 +576,7 @@ class _Tracer:
                                                 [e is not None for e in self.call.records[i].edges])
         except Exception as err:
             self.undo(before, i, err)
+            aot_regions.say_why_opaque(ctx._forward_cls, err)
             return None
 
     def _apply_function(self, i, ctx, grads):
