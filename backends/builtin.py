@@ -124,13 +124,67 @@ def _split_backend(name: str, compile_region):
 
 
 def _inductor_compile(pure: fx.GraphModule, example_inputs: list):
+    from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     start = time.perf_counter()
-    compiled = compile_fx_inner(_functionalized(pure, example_inputs), example_inputs)
-    # A detail: the compile of the whole backward is logged at INFO (logs.backend_compiled).
-    log.debug("gradfx: inductor compiled a region of %d fx nodes in %.2f s",
-              len(pure.graph.nodes), time.perf_counter() - start)
+    functional = _functionalized(pure, example_inputs)
+    # Inductor's FX graph cache keys a graph with the guards of its shape environment and
+    # bypasses a compile that has none: a tracing context with one (static: every size is
+    # an int here) lets a later process load the compiled region instead of compiling it.
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+             for x in example_inputs]
+    log.info("gradfx: inductor compiling a region of %d fx nodes", len(functional.graph.nodes))
+    with tracing(TracingContext(fake_mode)), _FxCacheOutcome() as cache:
+        compiled = compile_fx_inner(functional, fakes)
+    log.info("gradfx: inductor compiled a region of %d fx nodes in %.2f s (FX graph cache %s)",
+             len(functional.graph.nodes), time.perf_counter() - start, cache.outcome)
     return compiled
+
+
+class _FxCacheOutcome(logging.Filter):
+    """What inductor's FX graph cache did for one compile: ``hit``, ``miss``, or
+    ``bypass: <inductor's reason>``, from its counters and its log record of the reason
+    (read by this filter on inductor's cache logger; a record the logger's own level
+    would not have let through goes no further)."""
+
+    _COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+
+    def __init__(self):
+        super().__init__()
+        self.reason = None
+        self.outcome = "not consulted"
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        if message.startswith("Bypassing FX Graph Cache because"):
+            self.reason = message.split("because", 1)[1].strip(" '")
+        return record.levelno >= self._shown
+
+    def __enter__(self):
+        from torch._dynamo.utils import counters as torch_counters
+        self._counts = torch_counters["inductor"]
+        self._before = [self._counts[c] for c in self._COUNTERS]
+        self._logger = logging.getLogger("torch._inductor.codecache")
+        self._level = self._logger.level
+        self._shown = self._logger.getEffectiveLevel()
+        self._logger.setLevel(min(self._shown, logging.INFO))
+        self._logger.addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeFilter(self)
+        self._logger.setLevel(self._level)
+        hit, miss, bypass = (self._counts[c] - b for c, b in zip(self._COUNTERS, self._before))
+        if bypass:
+            self.outcome = f"bypass: {self.reason or 'no reason given'}"
+        elif hit:
+            self.outcome = "hit"
+        elif miss:
+            self.outcome = "miss"
+        return False
 
 
 def _aot_eager_compile(pure: fx.GraphModule, example_inputs: list):

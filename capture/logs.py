@@ -23,6 +23,12 @@ import sys
 log = logging.getLogger("gradfx")
 
 
+def backend_compiling(backend: str, nodes: int) -> None:
+    """Log, at INFO, that a backend other than gradfx's eager one starts compiling a captured
+    backward (a compiler may take seconds: the line says what it is busy with)."""
+    log.info("gradfx: backend %s compiling a backward of %d fx nodes", backend, nodes)
+
+
 def backend_compiled(backend: str, nodes: int, seconds: float, failed: str | None = None) -> None:
     """Log one compile of a captured backward by the block's backend, at INFO:
     which backend, how many fx nodes, how long (docs/API.md, Logging).  ``failed``:

@@ -243,3 +243,39 @@ def test_torch_compile_of_the_graph_with_opaque_nodes():
     compare_training(WithDouble, lambda: (torch.randn(8, 16),), backend=backend, exact=False,
                      allow_opaque=("DoubleBackward",))
     assert set(types) <= {torch.Tensor, torch.nn.Parameter, dict}, types
+
+
+# -- inductor's caches: a later process loads what an earlier one compiled -------------
+
+_WARM_PROGRAM = """
+import logging, sys, time
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+logging.getLogger("gradfx").setLevel(logging.INFO)
+import torch, gradfx
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+loss = model(torch.randn(8, 16)).sum()
+with gradfx.compiled_autograd(backend="inductor"):
+    loss.backward()
+print("grad", model[0].weight.grad.sum().item())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.sample
+def test_inductor_regions_hit_the_fx_graph_cache_in_a_later_process(tmp_path):
+    """The built-in inductor compiles with a shape environment, so inductor's FX graph cache
+    keys its regions: a second process loads them (the log says hit) instead of compiling."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    runs = [subprocess.run([sys.executable, "-c", _WARM_PROGRAM], env=env, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    first, second = (run.stdout for run in runs)
+    assert "(FX graph cache miss)" in first and "bypass" not in first, first
+    assert "(FX graph cache hit)" in second and "miss" not in second, second
+    grads = [line for run in (first, second) for line in run.splitlines() if line.startswith("grad ")]
+    assert grads[0] == grads[1]

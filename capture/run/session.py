@@ -389,6 +389,8 @@ class Session:
         start = time.perf_counter()
         self._count("compiles")
         failed = None
+        if self.backend_fn is not backends.builtin.eager:
+            logs.backend_compiling(self.backend_name, len(gm.graph.nodes))
         try:
             compiled = backends.compile_with(self.backend_fn, gm, example_inputs, plain)
             if not callable(compiled):
