@@ -39,6 +39,7 @@ from ..capture.stacklevel import user_stacklevel
 from ..capture.run import counters
 from ..capture.trace.kinds import has_side_effect, kind_of
 from ..reorder.memory import free_inputs_early
+from . import repeated_blocks
 
 log = logging.getLogger("gradfx")
 
@@ -82,7 +83,12 @@ def partition(graph: fx.Graph) -> list[tuple[bool, list[fx.Node]]]:
     def end_run():
         region = [n for n in run if n in pure]
         if region and (only_accumulations or sum(map(aten_work, region)) >= MIN_OPS):
-            pieces.append((True, region))
+            cut = repeated_blocks.blocks(region)
+            for block in cut:
+                if len(cut) > 1 and sum(map(aten_work, block)) < MIN_OPS:
+                    python(block)  # a few ops before or after the repeats: not worth a compile
+                else:
+                    pieces.append((True, block))
             python([n for n in run if n not in pure])  # the accumulations, right after
         else:
             python(run)
@@ -136,13 +142,15 @@ def _example(node: fx.Node, symbols: dict):
 
 
 class _Graph:
-    """What the regions of one graph share: the backend, and whether the graph has said
-    that part of it runs uncompiled (once: it is one graph)."""
+    """What the regions of one graph share: the backend, whether the graph has said that
+    part of it runs uncompiled (once: it is one graph), and the code compiled so far by
+    what it computes (repeated_blocks.canonical_key): a transformer's layers compile once."""
 
     def __init__(self, compile_region, python_code, name: str, part: str):
         self.compile_region, self.python_code, self.name = compile_region, python_code, name
         self.part = part  # what the log calls a region
         self.warned = False
+        self.compiled: dict = {}
 
     def uncompiled(self, err: Exception) -> None:
         if self.warned:
@@ -170,9 +178,14 @@ class _Region:
         return sizes + computed if self.sized else computed
 
     def compile(self, examples: list):
-        with torch.no_grad():
-            return self.graph.compile_region(self.gm, [a.detach() if isinstance(a, torch.Tensor) else a
-                                                       for a in examples])
+        key = repeated_blocks.canonical_key(self.gm, examples)
+        fn = self.graph.compiled.get(key)
+        if fn is None:
+            with torch.no_grad():
+                fn = self.graph.compile_region(self.gm, [a.detach() if isinstance(a, torch.Tensor) else a
+                                                         for a in examples])
+            self.graph.compiled[key] = fn
+        return fn
 
     def compile_on_run(self, sub: list, key: tuple):
         start = time.perf_counter()
