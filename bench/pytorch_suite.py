@@ -16,12 +16,15 @@ under pytest, in this process, with a shim that maps what it calls onto gradfx:
   changes) to ``"auto"``; ``--dynamic`` overrides both.
 - ``torch._dynamo.config.compiled_autograd = True`` (or ``config.patch``) works through
   the same ``_enable``: ``torch.compile`` calls it around a function compiled while the
-  flag is set, with ``torch.compile`` of the same backend as the compiler.
+  flag is set, with ``torch.compile`` of the same backend as the compiler.  It builds
+  that compiler anew at each call; the shim keeps the first one per ``torch.compile``
+  (gradfx keys a backend object by identity; PyTorch's cache keys no compiler).
 - ``compiled_autograd._disable()`` suspends the open gradfx blocks of the thread (their
   backwards run on the eager engine) and keeps ``torch.compile`` from opening one.
 - ``compiled_autograd.reset()`` (which ``torch._dynamo.reset()`` calls) also calls
   ``gradfx.reset()``.
-- Counters: each gradfx capture adds 1 to ``counters["compiled_autograd"]["captures"]``.
+- Counters: each capture of a block the shim opened adds 1 to
+  ``counters["compiled_autograd"]["captures"]`` (not gradfx's once-per-process self-check).
   ``counters["compiled_autograd"]["compiles"]`` is counted by the test's own compiler
   (``make_compiler_fn``): the dynamo graphs compiled from gradfx's graph, so a graph
   break in it counts as in PyTorch's.
@@ -30,8 +33,8 @@ The modules the file loads beside it for its wrapped classes (``test_autograd``,
 ``test_custom_ops``, ``dynamo/test_higher_order_ops``) are replaced by empty stand-ins:
 those classes are PyTorch's autograd suite run under compiled autograd, not this
 file's tests.  What counts is the class ``TestCompiledAutograd``, less the tests that
-cannot run here (``--all`` counts every collected test): see ``EXCLUDED`` below and
-docs/TESTING.md.  The file needs ``pytest`` and ``expecttest``.
+do not count (``--all`` runs and counts every collected test): see ``EXCLUDED`` below
+and docs/TESTING.md.  The file needs ``pytest`` and ``expecttest``.
 
 It prints one line per test and a summary, and writes the result as JSON (date, torch
 version, counts, the failing tests with the first line of their error).
@@ -206,8 +209,16 @@ class Collector:
         self.shim = shim
         self.results: dict[str, dict] = {}
 
+    only_counted = False
+
     def pytest_configure(self, config):
         self.shim.install()
+
+    def pytest_collection_modifyitems(self, session, config, items):
+        if self.only_counted:  # by exact name (--deselect would take test_logs for a prefix)
+            kept = [item for item in items if counted(item.nodeid.split("::", 1)[1], False)]
+            config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+            items[:] = kept
 
     def pytest_runtest_logreport(self, report):
         name = report.nodeid.split("::", 1)[1]
@@ -265,12 +276,7 @@ def main(argv=None) -> int:
                        "-W", "ignore::DeprecationWarning", "--no-header", "-rN"]
         if args.expr:
             pytest_args += ["-k", args.expr]
-        if not args.all:  # what does not count does not run
-            node = os.path.relpath(target, work)  # node ids are relative to --rootdir
-            pytest_args += [f"--deselect={node}::TestCompiledAutograd::{name}"
-                            for names in EXCLUDED.values() for name in names]
-            pytest_args += [f"--deselect={node}::{cls}" for cls in ("WrapTestClassTests",
-                                                                     "TestCompiledAutogradOpInfoCPU")]
+        collector.only_counted = not args.all  # what does not count does not run
         pytest.main(pytest_args, plugins=[collector])
     finally:
         shutil.rmtree(work, ignore_errors=True)
