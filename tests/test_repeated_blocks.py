@@ -51,7 +51,10 @@ def test_blocks_cover_the_region_in_order():
     nodes = list(graph.graph_module.graph.nodes)
     region = [n for n in nodes if n.op == "call_function" and split._pure(n, set(nodes))]
     cut = repeated_blocks.blocks(region)
-    assert [n for block in cut for n in block] == region
+    order = [n for block in cut for n in block]
+    assert sorted(order, key=nodes.index) == region  # every node once
+    position = {n: k for k, n in enumerate(order)}
+    assert all(position[a] < position[n] for n in order for a in n.all_input_nodes if a in position)
     assert len(cut) >= 4
 
 
