@@ -39,14 +39,28 @@ def blocks(region: list[fx.Node]) -> list[list[fx.Node]]:
     rest before and after them; ``[region]`` where nothing repeats."""
     if len(region) < MIN_NODES:
         return [region]
-    region = _sunk(region)
-    crossing = _crossing(region)
+    sizes = _size_math(region)
+    ordered = _sunk([n for n in region if n not in sizes])
+    crossing = _crossing(ordered)
     for limit in MAX_CROSSING:
-        cuts = [k for k in range(1, len(region)) if crossing[k] <= limit]
-        found = _by_period(region, cuts)
+        cuts = [k for k in range(1, len(ordered)) if crossing[k] <= limit]
+        found = _by_period(ordered, cuts)
         if found is not None:
-            return found
+            # The sizes first (Python): every block may read them, and a compiled block
+            # returns tensors only.
+            return ([[n for n in region if n in sizes]] if sizes else []) + found
     return [region]
+
+
+def _size_math(region: list[fx.Node]) -> set:
+    """The nodes computing ints from sizes alone (a symbolic graph's size arithmetic)."""
+    found: set = set()
+    inside = set(region)
+    for n in region:
+        if isinstance(n.meta.get("val"), (int, torch.SymInt)) and not isinstance(n.meta.get("val"), bool) \
+                and all(a not in inside or a in found for a in n.all_input_nodes):
+            found.add(n)
+    return found
 
 
 def _sunk(region: list[fx.Node]) -> list[fx.Node]:
@@ -68,8 +82,9 @@ def _sunk(region: list[fx.Node]) -> list[fx.Node]:
 
 
 def _crossing(region: list[fx.Node]) -> list[int]:
-    """For each place k (before ``region[k]``): how many values computed before it are read
-    by an op of the region at or after it."""
+    """For each place k (before ``region[k]``): how many tensors computed before it are read
+    by an op of the region at or after it; a value of another kind (a tuple, an int)
+    must not cross: it counts as too many."""
     position = {n: k for k, n in enumerate(region)}
     last_read: dict = {}
     for k, n in enumerate(region):
@@ -78,8 +93,10 @@ def _crossing(region: list[fx.Node]) -> list[int]:
                 last_read[a] = k
     starts = [0] * (len(region) + 2)
     for a, last in last_read.items():
-        starts[position[a] + 1] += 1
-        starts[last + 1] -= 1
+        # A tuple must stay with its getitems, and a compiled block returns tensors only.
+        weight = 1 if isinstance(a.meta.get("val"), torch.Tensor) else len(region)
+        starts[position[a] + 1] += weight
+        starts[last + 1] -= weight
     counts, running = [], 0
     for k in range(len(region) + 1):
         running += starts[k]
@@ -131,8 +148,13 @@ def _signature(nodes: list[fx.Node]) -> tuple:
 
 def _node_signature(node: fx.Node, local: dict) -> tuple:
     val = node.meta.get("val")
-    meta = (tuple(val.shape), tuple(val.stride()), val.dtype) if isinstance(val, torch.Tensor) else None
+    meta = (_sizes(val.shape), _sizes(val.stride()), val.dtype) if isinstance(val, torch.Tensor) else None
     return (node.op, str(node.target), _arg(node.args, local), _arg(tuple(sorted(node.kwargs.items())), local), meta)
+
+
+def _sizes(sizes) -> tuple:
+    """Sizes to compare: a symbol by its expression (comparing SymInts would add guards)."""
+    return tuple(str(s.node.expr) if isinstance(s, torch.SymInt) else s for s in sizes)
 
 
 def _arg(a, local: dict):

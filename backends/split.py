@@ -188,6 +188,10 @@ class _Region:
         return fn
 
     def compile_on_run(self, sub: list, key: tuple):
+        known = self.graph.compiled.get(repeated_blocks.canonical_key(self.gm, sub))
+        if known is not None:  # a repeat of a block compiled for these sizes already
+            self.compiled[key] = known
+            return known
         start = time.perf_counter()
         try:
             fn = self.compile(sub)

@@ -45,17 +45,56 @@ def test_layers_are_found_as_identical_blocks():
     assert max(signatures.count(s) for s in signatures) >= 6  # the layers between the first and last
 
 
-def test_blocks_cover_the_region_in_order():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_blocks_cover_the_region_in_order(dynamic):
+    """Every node once, each after what it reads; what a compiled block hands on is tensors
+    (inductor returns nothing else): a symbolic graph's size arithmetic comes first, in
+    Python, and a tuple stays with its getitems."""
     torch.manual_seed(0)
-    graph = gradfx.capture(_encoder()(torch.randn(2, 5, 32)).sum())
+    graph = gradfx.capture(_encoder(6)(torch.randn(2, 5, 32)).sum(), dynamic=dynamic)
     nodes = list(graph.graph_module.graph.nodes)
-    region = [n for n in nodes if n.op == "call_function" and split._pure(n, set(nodes))]
+    pure: set = set()
+    for n in nodes:
+        if split._pure(n, pure):
+            pure.add(n)
+    region = [n for n in nodes if n in pure]
     cut = repeated_blocks.blocks(region)
     order = [n for block in cut for n in block]
     assert sorted(order, key=nodes.index) == region  # every node once
     position = {n: k for k, n in enumerate(order)}
     assert all(position[a] < position[n] for n in order for a in n.all_input_nodes if a in position)
     assert len(cut) >= 4
+    for block in cut:
+        if not any(map(split.aten_work, block)):
+            continue  # sizes, run in Python
+        inside = set(block)
+        handed_on = {n for n in block for user in n.users if user not in inside}
+        assert all(isinstance(n.meta.get("val"), torch.Tensor) for n in handed_on), handed_on
+
+
+def test_symbolic_graph_blocks_compile_once_per_size():
+    """dynamic=True: the layers of a symbolic graph are blocks too, compiled once per size."""
+    compiles = []
+
+    def counting(gm, examples):
+        compiles.append(len(gm.graph.nodes))
+        return builtin._aot_eager_compile(gm, examples)
+    backend = builtin._split_backend("counting", counting)
+    torch.manual_seed(0)
+    model = _encoder(6)
+    reference = copy.deepcopy(model)
+    for length in (5, 7, 6):
+        x = torch.randn(2, length, 32)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        reference(x).sum().backward()
+        with gradfx.compiled_autograd(backend=backend, dynamic=True):
+            model(x).sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    _, regions = _region_of(_encoder(6), torch.randn(2, 5, 32))
+    assert gradfx.stats()["captures"] == 1
+    assert len(compiles) < 3 * len(regions)  # each size compiles the distinct blocks only
 
 
 def test_small_or_unrepeated_regions_stay_whole():
