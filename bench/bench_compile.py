@@ -6,7 +6,10 @@ the steady backward after it, side by side for
 * ``gradfx+compiled``: the same with ``torch.compile(model)``'s forward (its regions'
   AOT backwards traced into gradfx's graph);
 * ``torch.compile``: ``torch.compile(model)`` alone, its own AOT backward;
-* ``pytorch_ca``: PyTorch's compiled autograd (inductor) with ``torch.compile(model)``.
+* ``pytorch_ca``: PyTorch's compiled autograd (inductor) with ``torch.compile(model)``;
+* ``gradfx_whole`` (asked for by name): ``gradfx`` with each region compiled whole, not
+  cut into its repeated blocks (``backends/repeated_blocks.py``): what the cut saves in
+  compile time and costs in steady speed.
 
 Each (mode, model, cold/warm) runs in a process of its own (``--worker``), which prints
 one JSON line: the first step (forward and backward) in seconds, the first backward
@@ -34,11 +37,17 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-MODES = ("gradfx", "gradfx+compiled", "torch.compile", "pytorch_ca")
+# gradfx_whole: gradfx with each region compiled whole (no repeated blocks), for the
+# cost of the cut in steady speed and what it saves in compile time
+MODES = ("gradfx", "gradfx+compiled", "torch.compile", "pytorch_ca", "gradfx_whole")
+DEFAULT_MODES = MODES[:4]
 
-# name: (GPT2Config arguments, batch, sequence length)
+# name: (GPT2Config arguments, batch, sequence length); "_hooks": where AOT cannot go, a
+# full backward hook on each block and a post-accumulate-grad hook on each parameter
+# (what an optimizer-in-backward registers), torch.compile(model) breaking its graph there
 MODELS = {
     "gpt2_tiny": (dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64), 8, 32),
+    "gpt2_tiny_hooks": (dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64), 8, 32),
     "gpt2_4layer": (dict(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, n_positions=128), 4, 128),
     "gpt2_small": (dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024), 2, 64),
     "gpt2_small_24": (dict(n_layer=24, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024), 2, 64),
@@ -56,22 +65,30 @@ def _model(name: str):
                                   bos_token_id=1, eos_token_id=2)
     model = transformers.GPT2LMHeadModel(cfg).train()
     ids = torch.randint(3, config["vocab_size"], (batch, length))
+    if name.endswith("_hooks"):
+        seen = []
+        for block in model.transformer.h:
+            block.register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(len(grad_out)))
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda t: seen.append(t.grad.shape[0]))
+        model.hook_calls = seen
     return model, ids
 
 
 def worker(mode: str, name: str, pairs: int) -> dict:
     import torch
     torch.set_num_threads(1)
-    import copy
-
     import gradfx
 
+    if mode == "gradfx_whole":
+        from gradfx.backends import repeated_blocks
+        repeated_blocks.MIN_NODES = 10 ** 9
     model, ids = _model(name)
-    eager_model = copy.deepcopy(model)
-    forward = torch.compile(model) if mode != "gradfx" else model
+    eager_model, _ = _model(name)  # the same weights and hooks
+    forward = model if mode in ("gradfx", "gradfx_whole") else torch.compile(model)
 
     def backward_of(loss):
-        if mode in ("gradfx", "gradfx+compiled"):
+        if mode in ("gradfx", "gradfx+compiled", "gradfx_whole"):
             with gradfx.compiled_autograd(backend="inductor"):
                 loss.backward()
         elif mode == "pytorch_ca":
@@ -135,7 +152,7 @@ def _run(mode: str, name: str, cache_dir: str, pairs: int, timeout: float) -> di
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt2_tiny", "gpt2_small"], choices=list(MODELS))
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
     parser.add_argument("--pairs", type=int, default=30, help="interleaved steady pairs (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
     parser.add_argument("--no-results", action="store_true", help="do not write bench/results.json")
