@@ -32,6 +32,16 @@ def _encoder(layers=4):
     return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
 
+def _counting_aot_eager():
+    """(the sizes of the regions it compiled, a split backend compiling with aot_eager)."""
+    compiles = []
+
+    def counting(gm, examples):
+        compiles.append(len(gm.graph.nodes))
+        return builtin._aot_eager_compile(gm, examples)
+    return compiles, builtin._split_backend("counting", counting)
+
+
 def _region_of(model, x):
     graph = gradfx.capture(model(x).sum())
     pieces = split.partition(graph.graph_module.graph)
@@ -74,12 +84,7 @@ def test_blocks_cover_the_region_in_order(dynamic):
 
 def test_symbolic_graph_blocks_compile_once_per_size():
     """dynamic=True: the layers of a symbolic graph are blocks too, compiled once per size."""
-    compiles = []
-
-    def counting(gm, examples):
-        compiles.append(len(gm.graph.nodes))
-        return builtin._aot_eager_compile(gm, examples)
-    backend = builtin._split_backend("counting", counting)
+    compiles, backend = _counting_aot_eager()
     torch.manual_seed(0)
     model = _encoder(6)
     reference = copy.deepcopy(model)
@@ -117,12 +122,7 @@ def test_canonical_key_ignores_names_but_not_shapes():
 def test_each_distinct_block_compiles_once(make, shape):
     """aot_eager's region compile, counted: fewer compiles than compiled regions, and the
     gradients equal the region compiled whole (blocks off) bit for bit."""
-    compiles = []
-
-    def counting(gm, examples):
-        compiles.append(len(gm.graph.nodes))
-        return builtin._aot_eager_compile(gm, examples)
-    backend = builtin._split_backend("counting", counting)
+    compiles, backend = _counting_aot_eager()
 
     torch.manual_seed(0)
     model = make()
