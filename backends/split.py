@@ -177,24 +177,26 @@ class _Region:
         computed = tuple(x.stride() if isinstance(x, torch.Tensor) else x for x in map(sub.__getitem__, self.computed))
         return sizes + computed if self.sized else computed
 
-    def compile(self, examples: list):
-        key = repeated_blocks.canonical_key(self.gm, examples)
-        fn = self.graph.compiled.get(key)
+    def compile(self, examples: list, what=None):
+        """Code for inputs like ``examples``: a twin's (same ``what``:
+        repeated_blocks.canonical_key) where one was compiled, else compiled now."""
+        what = repeated_blocks.canonical_key(self.gm, examples) if what is None else what
+        fn = self.graph.compiled.get(what)
         if fn is None:
             with torch.no_grad():
                 fn = self.graph.compile_region(self.gm, [a.detach() if isinstance(a, torch.Tensor) else a
                                                          for a in examples])
-            self.graph.compiled[key] = fn
+            self.graph.compiled[what] = fn
         return fn
 
     def compile_on_run(self, sub: list, key: tuple):
-        known = self.graph.compiled.get(repeated_blocks.canonical_key(self.gm, sub))
-        if known is not None:  # a repeat of a block compiled for these sizes already
-            self.compiled[key] = known
-            return known
+        what = repeated_blocks.canonical_key(self.gm, sub)
+        if what in self.graph.compiled:  # a repeat of a block compiled for these sizes already: no compile
+            fn = self.compiled[key] = self.graph.compiled[what]
+            return fn
         start = time.perf_counter()
         try:
-            fn = self.compile(sub)
+            fn = self.compile(sub, what)
         except Exception as err:
             self.graph.uncompiled(err)
             fn = False

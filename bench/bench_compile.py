@@ -119,12 +119,11 @@ def worker(mode: str, name: str, pairs: int) -> dict:
         ratios.append(g / e)
         mine.append(g)
         eager.append(e)
-    ratios.sort()
-    quarter = len(ratios) // 4
+    low, _, high = statistics.quantiles(ratios, n=4)
     stats = gradfx.stats() if mode.startswith("gradfx") else {}
     return {"first_step_s": round(first_step, 2), "first_backward_s": round(first_backward, 2),
             "ratio_steady": round(statistics.median(ratios), 2),
-            "steady_spread": [round(ratios[quarter], 2), round(ratios[-quarter - 1], 2)],
+            "steady_spread": [round(low, 2), round(high, 2)],
             "backward_ms": round(statistics.median(mine) * 1e3, 3),
             "eager_backward_ms": round(statistics.median(eager) * 1e3, 3),
             "compiles": stats.get("compiles"), "uncompiled": stats.get("uncompiled")}
