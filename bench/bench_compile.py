@@ -42,7 +42,7 @@ sys.path.insert(0, HERE)
 MODES = ("gradfx", "gradfx+compiled", "torch.compile", "pytorch_ca", "gradfx_whole")
 DEFAULT_MODES = MODES[:4]
 
-# name: (GPT2Config arguments, batch, sequence length); "_hooks": where AOT cannot go, a
+# name: (config arguments, batch, sequence length); "_hooks": where AOT cannot go, a
 # full backward hook on each block and a post-accumulate-grad hook on each parameter
 # (what an optimizer-in-backward registers), torch.compile(model) breaking its graph there
 MODELS = {
@@ -51,6 +51,9 @@ MODELS = {
     "gpt2_4layer": (dict(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, n_positions=128), 4, 128),
     "gpt2_small": (dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024), 2, 64),
     "gpt2_small_24": (dict(n_layer=24, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024), 2, 64),
+    # a Llama: 8 layers, hidden 512, rotary embeddings, sdpa
+    "llama_8layer": (dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
+                          intermediate_size=1376, vocab_size=1024, max_position_embeddings=256), 2, 128),
 }
 
 
@@ -61,9 +64,13 @@ def _model(name: str):
     import transformers
     config, batch, length = MODELS[name]
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(**config, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                  bos_token_id=1, eos_token_id=2)
-    model = transformers.GPT2LMHeadModel(cfg).train()
+    if name.startswith("llama"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, bos_token_id=1,
+                                                                       eos_token_id=2)).train()
+    else:
+        cfg = transformers.GPT2Config(**config, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=1, eos_token_id=2)
+        model = transformers.GPT2LMHeadModel(cfg).train()
     ids = torch.randint(3, config["vocab_size"], (batch, length))
     if name.endswith("_hooks"):
         seen = []
