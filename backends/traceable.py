@@ -300,6 +300,7 @@ def _edge_metas(node, defined: list) -> tuple:
 # -- the rewrite --------------------------------------------------------------------
 
 HOOK_CALLS = hook_ops.HOOK_CALLS
+_SEEN_BY_HOOKS = HOOK_CALLS | {hook_ops.call_node_post_hooks}
 
 
 def _seen_by_python(grad: fx.Node) -> bool:
@@ -308,7 +309,7 @@ def _seen_by_python(grad: fx.Node) -> bool:
     source = grad.args[0] if grad.op == "call_function" and grad.target is operator.getitem else grad
     if source.op == "call_function" and source.target in HOOK_CALLS:
         return True
-    return any(u.op == "call_function" and u.target in HOOK_CALLS for u in grad.users)
+    return any(u.op == "call_function" and u.target in _SEEN_BY_HOOKS for u in grad.users)
 
 
 class Adapter:
@@ -420,6 +421,9 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
                 adapter.contexts.append(position[node.args[0]])
         elif node.target is runtime_ops.call_node:
             _as_custom_op(graph, node, adapter, position, example_inputs[position[node.args[0]]])
+        elif node.target is hook_ops.call_node_post_hooks:
+            python_reads = True  # DDP's reducer reads `.grad`
+            _as_post_hooks_op(graph, node, adapter, position)
         elif isinstance(node.target, runtime_ops.NodeUnpacking):
             python_reads = True  # the user's unpack hooks
             _as_custom_op(graph, node, adapter, position, example_inputs[position[node.args[0]]], node.target)
@@ -557,6 +561,25 @@ def _as_unpack_op(graph, node, adapter, position) -> None:
     for user in list(node.users):  # getitem j -> the j-th defined tensor
         user.args = (call, index[user.args[1]])
     graph.erase_node(node)
+
+
+def _as_post_hooks_op(graph, node, adapter, position):
+    """call_node_post_hooks(node, grads) -> run_node(slot, grads, []): the live node through
+    the slot table, as for an opaque node; an effectful op of no outputs."""
+    slot = next(_slots)
+    _slot_calls[slot] = _run_post_hooks
+    _slot_outputs[slot] = ()
+    live, grads = node.args
+    adapter.slots.append((position[live], slot))
+    with graph.inserting_before(node):
+        call = graph.call_function(_ops().run_node.default, (slot, list(grads), []))
+    call.meta.update(node.meta)
+    graph.erase_node(node)
+
+
+def _run_post_hooks(node, edges, defined, *grads) -> tuple:
+    hook_ops.call_node_post_hooks(node, grads)
+    return ()
 
 
 def _as_custom_op(graph, node, adapter, position, autograd_node, call=None):

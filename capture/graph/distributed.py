@@ -3,10 +3,15 @@
 DDP registers its gradient all-reduce as C++ post-hooks on the parameters'
 AccumulateGrad nodes: Python registered nothing and can read nothing back.  A run
 that skipped them would leave every rank with its local gradient, silently.
-When torch.distributed is initialized, gradfx asks torch's own compiled autograd
-to collect the hooks of those nodes (it refuses C++ hooks it cannot compile, such
-as the reducer's, before anything runs; the compiler function gradfx passes
-refuses too, so nothing is ever executed).  The answer is cached per node.
+When torch.distributed is initialized, the walk asks of each accumulator whether
+it has C++ post-hooks (:func:`cpp_hooked`).  gradfx's compiled part counts them on
+the node and runs them, so the graph calls them where eager does
+(``hook_ops.call_node_post_hooks``).  Where the compiled part is not loaded (still
+building, ``GRADFX_NATIVE=0``) nothing can call them: the answer comes from torch's
+own compiled autograd, asked to collect the node's hooks (it refuses C++ hooks it
+cannot compile, such as the reducer's, before anything runs; the compiler function
+gradfx passes refuses too, so nothing is ever executed), cached per node, and the
+backward falls back (:func:`cpp_hooks_reason`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import threading
 
 import torch
+
+from .. import native
 
 _checked: dict[int, tuple] = {}  # id(node) -> (variable id, has C++ hooks)
 
@@ -75,19 +82,42 @@ class unprobed:
         _quiet.on = False
 
 
+def cpp_hooked(node) -> bool:
+    """Has this AccumulateGrad node C++ post-hooks?"""
+    reader = native.module()
+    if reader is not None:
+        return reader.cpp_post_hooks(node) > 0
+    return _probed([node])
+
+
+def cpp_hooked_mask(accumulators) -> tuple:
+    """:func:`cpp_hooked` of each node: what a generated walker checks its structure by."""
+    reader = native.module()
+    if reader is None:
+        return tuple(_probed([n]) for n in accumulators)
+    count = reader.cpp_post_hooks
+    return tuple([count(n) > 0 for n in accumulators])
+
+
 def cpp_hooks_reason(accumulators: list) -> str | None:
-    """A reason to fall back if any of these AccumulateGrad nodes has C++ hooks."""
+    """A reason to fall back if any of these AccumulateGrad nodes has C++ hooks that
+    gradfx cannot run (its compiled part is not loaded)."""
+    if native.module() is not None or not _probed(accumulators):
+        return None
+    why = native.reason() or "it is still being built (python -m gradfx build builds it ahead of time)"
+    return ("C++ hooks on a parameter's gradient accumulator (DistributedDataParallel's reducer), which only "
+            f"gradfx's compiled part can run, and it is not loaded: {why}")
+
+
+def _probed(accumulators: list) -> bool:
+    """Has any of these nodes C++ hooks (torch's compiled autograd asked, cached per node)?"""
     unknown = [n for n in accumulators
                if _checked.get(id(n), (None,))[0] != id(n.variable)]
     if unknown:
         found = _probe([n.variable for n in unknown])
         for n in unknown:
             _checked[id(n)] = (id(n.variable), found)
-    if any(_checked[id(n)][1] for n in accumulators):
-        return ("C++ hooks on a parameter's gradient accumulator (DistributedDataParallel's "
-                "reducer); use DDP with torch._dynamo.config.optimize_ddp = 'python_reducer' "
-                "to make them visible")
-    return None
+    return any(_checked[id(n)][1] for n in accumulators)
 
 
 def _probe(variables) -> bool:

@@ -106,8 +106,10 @@ def generate(call: BackwardCall, tensors, structure):
                 src.bail_unless(f"fn is n{out[0]} and nr == {out[1]}")
 
     accumulators = [i for i in range(n) if records[i].kind is ACCUMULATE]
-    if accumulators:  # DistributedDataParallel's C++ reducer hooks: the generic walk falls back
-        src.bail_unless(f"not dist_initialized() or not cpp_hooks_reason([{', '.join(f'n{i}' for i in accumulators)}])")
+    if accumulators:  # DistributedDataParallel's C++ reducer hooks: where they were
+        mask = tuple(records[i].hooks is not None and records[i].hooks.native_post for i in accumulators)
+        src.bail_unless(f"not dist_initialized() or cpp_hooked_mask([{', '.join(f'n{i}' for i in accumulators)}])"
+                        f" == {mask!r}")
     src.emit("active = hooks_active()")
     src.emit("retained = retained_by_node({id(x): k for k, x in enumerate(nodes)}) if active else {}")
 
@@ -158,7 +160,7 @@ def generate(call: BackwardCall, tensors, structure):
                      native_leaf=_native('leaf'),
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
-                     dist_initialized=distributed.initialized, cpp_hooks_reason=_accumulators_hooked)
+                     dist_initialized=distributed.initialized, cpp_hooked_mask=_accumulators_hooked)
     exec(compile(code, f"<gradfx fast walk {n} nodes>", "exec"), namespace)
     lines = namespace["fast_walk"]
     lines.source = code
@@ -247,10 +249,11 @@ def _any_hooked(saved_variables) -> bool:
     return any(v.unpack_hook is not None for v in saved_variables)
 
 
-def _accumulators_hooked(accumulators) -> bool:
-    for node in accumulators:  # the probe runs ops on the leaves: the generic walk's fallback
-        readable(node.variable, "as the leaf", node)
-    return distributed.cpp_hooks_reason(accumulators) is not None
+def _accumulators_hooked(accumulators) -> tuple:
+    if native.module() is None:
+        for node in accumulators:  # the probe runs ops on the leaves: the generic walk's fallback
+            readable(node.variable, "as the leaf", node)
+    return distributed.cpp_hooked_mask(accumulators)
 
 
 def _template(call: BackwardCall) -> type:

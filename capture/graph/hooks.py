@@ -37,6 +37,7 @@ from torch.autograd.function import _HookMixin
 from torch.overrides import has_torch_function_unary
 
 from ..torch_releases import node_token
+from . import distributed
 from .saved import unreadable
 
 
@@ -215,7 +216,7 @@ def _probe_node(node) -> tuple:
 class Found:
     """The hooks of one node, each kind in eager's order (callables; tensors for retain)."""
 
-    __slots__ = ("tensor_pre", "retain", "pre", "post", "post_accumulate", "node")
+    __slots__ = ("tensor_pre", "retain", "pre", "post", "post_accumulate", "node", "native_post")
 
     def __init__(self, node=None):
         self.tensor_pre = []  # (output_nr, [callables])
@@ -226,11 +227,13 @@ class Found:
         # an accumulator itself, what its hooks see as the running node (the graph
         # takes every other node as an input anyway)
         self.node = node
+        self.native_post = False  # an accumulator with C++ post-hooks (kinds.HookSpec.native_post)
 
     def key(self) -> tuple:
         """The hooks' shape: part of the structure key (kinds.HookSpec.key is the same)."""
         return (tuple((nr, len(c)) for nr, c in self.tensor_pre), tuple(nr for nr, _ in self.retain),
-                len(self.pre), tuple(map(hands_on_incoming, self.post)), len(self.post_accumulate))
+                len(self.pre), tuple(map(hands_on_incoming, self.post)), len(self.post_accumulate),
+                self.native_post)
 
     def inputs(self) -> list:
         """The runtime inputs, in the order the walk adds them."""
@@ -275,6 +278,9 @@ def collect(node, variable, retained, active: WalkState | None) -> Found | None:
         if variable._post_accumulate_grad_hooks:
             found = found or Found(leaf)
             found.post_accumulate = list(variable._post_accumulate_grad_hooks.values())
+        if distributed.initialized() and distributed.cpp_hooked(node):
+            found = found or Found(leaf)
+            found.native_post = True
     if not active:
         return found
     entry = _tensor_pre.get(node_token(node)) if _tensor_pre else None

@@ -188,10 +188,13 @@ class HookSpec:
     post_accumulate: list = field(default_factory=list)
     post_incoming: tuple = ()  # per post-hook: hooks.hands_on_incoming
     node: int | None = None  # an accumulator's own node, for its hooks (hooks.Found.node)
+    # An accumulator with C++ post-hooks (DDP's reducer): its whole post-hook list runs
+    # through the compiled part (hook_ops.call_node_post_hooks), ``post`` not one by one.
+    native_post: bool = False
 
     def key(self) -> tuple:
         return (tuple((nr, len(p)) for nr, p in self.tensor_pre), tuple(nr for nr, _ in self.retain),
-                len(self.pre), self.post_incoming, len(self.post_accumulate))
+                len(self.pre), self.post_incoming, len(self.post_accumulate), self.native_post)
 
 
 @dataclass
@@ -566,6 +569,7 @@ def walk_hooks(w: Walk, rec: NodeRecord, i: int, node, var=None) -> None:
     spec.post_accumulate = [w.add_input(h, "hook", i) for h in found.post_accumulate]
     if found.node is not None:
         spec.node = w.add_input(found.node, "node", i)
+    spec.native_post = found.native_post
     rec.hooks = spec
     w.key.append(spec.key())
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import native
 from ..errors import _Fallback
 from . import distributed
 from .kinds import ACCUMULATE, NodeRecord, Walk, kind_of, walk_hooks, walk_metas
@@ -203,7 +204,7 @@ def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool =
     for r, j in enumerate(order):
         rank[j] = r
 
-    if distributed.initialized():
+    if distributed.initialized() and native.module() is None:  # C++ hooks gradfx could not run
         accumulators = [node for node in nodes if type(node).__name__ == "AccumulateGrad"]
         for node in accumulators:  # the probe runs ops on the leaves
             readable(node.variable, "as the leaf", node)

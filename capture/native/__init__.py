@@ -180,7 +180,8 @@ def _start_build(where: str) -> None:
 def _still_building() -> None:
     """At exit: a build this process started and that is still running outlives it; say so."""
     builder = _state.builder
-    if builder is None or builder.poll() is not None:
+    # Loaded: the build wrote its result last and may only be exiting now.
+    if builder is None or builder.poll() is not None or _state.module is not None:
         return
     log.warning("gradfx: its compiled part is still building in a process of its own (pid %d, started %.0f s "
                 "ago; log: %s); later processes use it once it is ready. To have it from the first run, %s",

@@ -15,7 +15,8 @@ import sys
 import time
 import traceback
 
-SOURCES = ("module.cpp", "hidden.cpp", "walk.cpp", "structure.cpp", "saved.cpp", "program.cpp", "accumulate.cpp")
+SOURCES = ("module.cpp", "hidden.cpp", "walk.cpp", "structure.cpp", "saved.cpp", "program.cpp", "accumulate.cpp",
+           "post_hooks.cpp")
 HEADERS = ("checks.h",)
 
 

@@ -2,7 +2,8 @@
 // for the cache-hit walker walk.cpp (metadata, tensor and leaf reads), structure.cpp
 // (roots, edges, sequence order), saved.cpp (saved tensors read and released) and
 // program.cpp (a whole walk of builtin nodes and leaves in one call); for the eager
-// backend's graphs accumulate.cpp (AccumulateGrad).
+// backend's graphs accumulate.cpp (AccumulateGrad); for graphs that run a node's C++
+// post-hooks (DistributedDataParallel's reducer) post_hooks.cpp.
 #include <pybind11/pybind11.h>
 
 namespace py = pybind11;
@@ -13,6 +14,7 @@ void add_structure(py::module_& m);
 void add_saved(py::module_& m);
 void add_program(py::module_& m);
 void add_accumulate(py::module_& m);
+void add_post_hooks(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gradfx's compiled part (capture/native)";
@@ -22,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   add_saved(m);
   add_program(m);
   add_accumulate(m);
+  add_post_hooks(m);
 }

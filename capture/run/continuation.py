@@ -184,6 +184,9 @@ class _Runner:
             outs = hook_ops.call_post_hook(self.by_pos[pos], outs, tuple(inputs), self.call.nodes[i])
         return list(outs)
 
+    def native_post_hooks(self, i, inputs):
+        hook_ops.call_node_post_hooks(self.call.nodes[i], tuple(inputs))
+
     def post_accumulate_hooks(self, i, spec, var_pos):
         for pos in spec.post_accumulate:
             hook_ops.call_post_accumulate_hook(self.by_pos[pos], self.by_pos[var_pos], self.call.nodes[i])

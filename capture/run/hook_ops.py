@@ -16,6 +16,8 @@ import threading
 import torch
 from torch.overrides import has_torch_function_unary as _has_torch_function
 
+from .. import native
+
 
 def _hook_name(hook) -> str:
     return getattr(hook, "__name__", type(hook).__name__)
@@ -130,6 +132,19 @@ def retain_grad(tensor, grad) -> None:
         tensor.grad = grad.clone() if grad.is_sparse else grad.clone(memory_format=torch.contiguous_format)
     else:
         tensor.grad = tensor.grad + grad
+
+
+def call_node_post_hooks(node, grads: tuple) -> None:
+    """Every post-hook of a builtin node, in registration order, C++ hooks among them (the
+    reducer of DistributedDataParallel on a parameter's accumulator), as the engine calls
+    them: through gradfx's compiled part, which alone can reach a C++ hook.  The graph
+    calls this only inside an engine graph task (``routing.in_engine_task``), where the C++
+    hooks can queue the final callbacks they queue."""
+    previous = running_node(node)
+    try:
+        native.module().run_post_hooks(node, grads)  # loaded: the walk asked it of the node's hooks
+    finally:
+        done_running(previous)
 
 
 def call_post_accumulate_hook(hook, variable, node=None) -> None:

@@ -95,9 +95,67 @@ _running = threading.local()
 
 def final_callbacks() -> list | None:
     """The final-callback list of the gradfx backward running innermost on this thread, if
-    any (None where the engine runs the innermost one: its graph task holds them)."""
+    any (None where the engine runs the innermost one, or a gradfx backward runs inside an
+    engine graph task (``in_engine_task``): that task holds them)."""
     stack = getattr(_running, "stack", None)
-    return stack[-1] if stack else None
+    if not stack:
+        return None
+    top = stack[-1]
+    return top if type(top) is list else None
+
+
+class _InTask:
+    """On the running stack: a gradfx backward runs inside an engine graph task of its own;
+    final callbacks go to that task, the checkpoint question to gradfx's answer."""
+
+
+_IN_TASK = _InTask()
+
+
+class _TaskNode(torch.autograd.Function):
+    """The one node of the graph task ``in_engine_task`` runs: its backward runs the body."""
+
+    @staticmethod
+    def forward(ctx, seed):
+        return seed.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        slot = _task_slot
+        slot.result = slot.body(*slot.args)
+        return None
+
+
+_task_slot = threading.local()
+
+
+def in_engine_task(body, args: tuple, create_graph: bool):
+    """``body(*args)`` run as the one node of a graph task of the C++ engine; returns its
+    result.  C++ code it calls, the C++ post-hooks of DistributedDataParallel's reducer,
+    queues final callbacks with the engine, which only a running graph task takes; the
+    engine runs them after ``body``, in the order queued, Python's ``queue_callback`` calls
+    among them, as it runs an eager backward's.  The task's graph is made once per thread
+    and kept (retain_graph)."""
+    slot = _task_slot
+    root = getattr(slot, "root", None)
+    if root is None:
+        seed = torch.zeros((), requires_grad=True)
+        with torch.enable_grad():
+            root = slot.root = _TaskNode.apply(seed)
+        slot.grad = torch.ones(())
+    slot.body, slot.args, slot.result = body, args, None
+    stack = getattr(_running, "stack", None)
+    if stack is None:
+        stack = _running.stack = []
+    stack.append(_IN_TASK)
+    engine = Variable._execution_engine
+    engine = getattr(engine, "engine", engine)
+    try:
+        engine.run_backward((root,), (slot.grad,), True, create_graph, (), True, True)
+        return slot.result
+    finally:
+        stack.pop()
+        slot.body = slot.args = slot.result = None
 
 
 def run_on_engine(engine, *args, **kwargs):

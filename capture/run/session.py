@@ -84,7 +84,7 @@ class CompiledBackward:
 
     __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
                  "verified", "failed", "output_specs", "frontiers", "stopped", "kept", "key", "node_inputs", "release_split",
-                 "learner")
+                 "learner", "in_engine_task")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
                  guard, size_positions=(), failed=None, output_specs=None, frontiers=()):
@@ -120,6 +120,9 @@ class CompiledBackward:
         # Where its unpacks of saved tensors under the user's hooks report what they found
         # (graph.unpacked; None: a graph that unpacks none itself).
         self.learner = None
+        # It calls C++ post-hooks (DDP's reducer), which queue final callbacks with the
+        # engine: it runs inside an engine graph task (routing.in_engine_task).
+        self.in_engine_task = False
 
 
 class _Config:
@@ -336,6 +339,7 @@ class Session:
             cache.dynamic_positions[structure] = made.dynamic_positions
         entry.key = structure
         entry.learner = learner if made.unpacks else None
+        entry.in_engine_task = any(spec.native_post for spec in call.hooks.values())
         cache.put(structure, call.sizes, entry, dynamic=bool(made.size_positions))
         self._add_fast_walker(call, base, tensors)
         return entry
@@ -541,7 +545,11 @@ class Session:
                     routing.run_callbacks(callbacks)
             else:
                 with task:
-                    out = self._call_graph(entry, call, inputs, keep_graph, kept)
+                    if entry.in_engine_task:
+                        out = routing.in_engine_task(self._call_graph, (entry, call, inputs, keep_graph, kept),
+                                                     call.create_graph)
+                    else:
+                        out = self._call_graph(entry, call, inputs, keep_graph, kept)
                     if callbacks:
                         routing.run_callbacks(callbacks)
         except WrongGradient as err:

@@ -148,7 +148,9 @@ def _run_body(r, state: EngineState, i: int, inputs) -> None:
             r.accumulate(i, inputs[0], call.records[i].node_input)
             if spec is not None and spec.post_accumulate:
                 r.post_accumulate_hooks(i, spec, call.records[i].node_input)
-        if spec is not None and spec.post:
+        if spec is not None and spec.native_post:  # C++ post-hooks among them: all run natively
+            r.native_post_hooks(i, inputs)
+        elif spec is not None and spec.post:
             r.post_hooks(i, spec, [], inputs)
         return
     edges = call.records[i].edges

@@ -417,6 +417,10 @@ class _Tracer:
                 self.maybe_none.add(id(g))
                 self.keep.append(g)
 
+    def native_post_hooks(self, i, inputs):
+        self.python_call(hook_ops.call_node_post_hooks, (self.running(i), tuple(inputs)), None, self.call_label(i),
+                         "hook")
+
     def post_accumulate_hooks(self, i, spec, var_pos):
         label = self.call_label(i)
         for pos in spec.post_accumulate:
@@ -866,6 +870,9 @@ def _group_getitems(graph: fx.Graph) -> None:
         unpack_right_after(node)
 
 
+_OWN_POST_HOOKS = (hook_ops.call_post_hook, hook_ops.call_node_post_hooks)
+
+
 def _mark_steals(graph: fx.Graph) -> None:
     """Let accumulate_grad steal a gradient nothing else can see, as eager does.
 
@@ -880,7 +887,7 @@ def _mark_steals(graph: fx.Graph) -> None:
         if grad.op == "placeholder":
             continue
         label = node.meta.get("gradfx_node")
-        if all(order[u] <= order[node] or (u.target is hook_ops.call_post_hook and u.meta.get("gradfx_node") == label)
+        if all(order[u] <= order[node] or (u.target in _OWN_POST_HOOKS and u.meta.get("gradfx_node") == label)
                for u in grad.users):
             node.update_arg(2, True)
 

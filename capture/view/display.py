@@ -40,6 +40,7 @@ COLOURS = {
 _HOOK_WORDS = {
     hook_ops.call_tensor_hook: "tensor hook", hook_ops.call_pre_hook: "pre-hook",
     hook_ops.call_post_hook: "post-hook", hook_ops.call_post_accumulate_hook: "post-accumulate hook",
+    hook_ops.call_node_post_hooks: "post-hooks (C++ too)",
     hook_ops.retain_grad: "retain_grad",
 }
 
