@@ -1,7 +1,8 @@
 """DDP with gloo, 2 processes: gradients equal eager DDP's on every rank.
 
-DDP's default C++ reducer hooks are detected and the backward falls back (never
-silently skipped); with the Python reducer its hooks are captured.
+Without gradfx's compiled part, which alone can call them, DDP's default C++ reducer
+hooks are detected and the backward falls back (never silently skipped;
+test_ddp_reducer has them captured); with the Python reducer its hooks are captured.
 """
 
 import os
@@ -54,7 +55,7 @@ def _compare_steps(rank, eager_model, gfx_model, full, steps=3) -> dict:
 
 def _worker(rank, world, port, python_reducer, results):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GRADFX_NATIVE="0")  # before gradfx loads
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         if python_reducer:
@@ -78,7 +79,7 @@ def _run(python_reducer):
     return dict(results)
 
 
-def test_ddp_cpp_reducer_is_detected_and_falls_back():
+def test_ddp_cpp_reducer_without_the_compiled_part_is_detected_and_falls_back():
     results = _run(python_reducer=False)
     for rank in (0, 1):
         assert results[rank]["equal"], results
@@ -137,7 +138,10 @@ def test_reducer_probe_does_not_go_through_compiled_autograd_enable(monkeypatch,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import gradfx
+    from gradfx.capture import native
     from gradfx.capture.graph import distributed
+    monkeypatch.setattr(native._state, "module", None)  # the probe serves where the compiled part does not
+    monkeypatch.setattr(native._state, "reason", "off for this test")
 
     def refuse(*args, **kwargs):
         raise AssertionError("the probe went through compiled_autograd._enable")

@@ -1,0 +1,197 @@
+"""DDP's default C++ reducer inside a gradfx block, 2 gloo processes.
+
+One spawn runs every case (a spawn costs seconds); each test reads its case.  Per case,
+two DDP models built alike train side by side, one under eager autograd and one
+under gradfx, and on every step and rank:
+* gradients are bitwise equal (the eager backend and a user's own backend);
+* the events are the same, in the same order: each parameter's post-accumulate-grad
+  hook (eager runs the reducer's C++ hook right after it), each bucket's comm hook
+  call (when the reducer launches the bucket) and a final callback queued from Python
+  in an output hook, with the gradients it sees (before the reducer's own final
+  callback, queued later, copies the reduced buckets back: a callback order that
+  differed would show);
+* no fallback warning (the block is strict about it).
+"""
+
+import os
+import socket
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+STEPS = 4  # past the first iteration: DDP rebuilds its buckets in the order hooks ran
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 4)
+        self.spare = nn.Linear(32, 4)
+
+    def forward(self, x, use_spare=True):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        out = self.c(h)
+        return out + self.spare(h) if use_spare else out
+
+
+def _comm_hook(kind, events):
+    """A comm hook that notes each bucket it is handed, then reduces it as ``kind`` says."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if kind == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2, random_seed=0)
+        inner = powerSGD_hook.powerSGD_hook
+    else:
+        state = None
+        inner = default_hooks.fp16_compress_hook if kind == "fp16" else default_hooks.allreduce_hook
+
+    def hook(state, bucket):
+        events.append(("bucket", bucket.index(), [tuple(p.shape) for p in bucket.parameters()]))
+        return inner(state, bucket)
+    return state, hook
+
+
+def _build(case, events):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    options = {"bucket_cap_mb": 0.004, **case.get("ddp", {})}  # 4 KB: several buckets
+    model = DDP(Net(), **options)
+    for name, p in model.module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: events.append(("accumulated", name)))
+    if "comm_hook" in case:
+        model.register_comm_hook(*_comm_hook(case["comm_hook"], events))
+    return model
+
+
+def _step(model, events, x, use_spare, racy):
+    out = model(x, use_spare)
+
+    def queue_final(g):
+        # Where gradients are views of the buckets (gradient_as_bucket_view), the all-reduce in
+        # flight writes them: what a callback sees of them then is racy, in eager too.
+        params = list(model.module.parameters())
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: events.append(("final", None if racy else
+                                   [None if p.grad is None else p.grad.tolist() for p in params])))
+    out.register_hook(queue_final)
+    return out.square().sum()
+
+
+def _run_case(rank, case):
+    import gradfx
+    backend = case.get("backend", "eager")
+    if backend == "gm":
+        backend = lambda gm, example_inputs: gm  # noqa: E731  (a user's backend: the traceable form)
+    runs = {}
+    for under_gradfx in (False, True):
+        events = []
+        model = _build(case, events)
+        for it in range(STEPS):
+            torch.manual_seed(100 * rank + it)
+            x = torch.randn(8, 16)
+            use_spare = it % 2 == 0 or not case.get("ddp", {}).get("find_unused_parameters")
+            sync = not (case.get("no_sync") and it % 2 == 0)
+            if not case.get("no_sync") or not sync:  # no_sync: the synced step adds to the last one's
+                model.zero_grad()
+            with (model.no_sync() if not sync else torch.enable_grad()):
+                loss = _step(model, events, x, use_spare, case.get("ddp", {}).get("gradient_as_bucket_view", False))
+                if under_gradfx and rank in case.get("fallback_ranks", ()):
+                    # anomaly mode: gradfx hands this rank's backward to the eager engine
+                    with warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True):
+                        warnings.simplefilter("ignore", gradfx.FallbackWarning)
+                        with gradfx.compiled_autograd(backend):
+                            loss.backward()
+                elif under_gradfx and rank in case.get("gradfx_ranks", (0, 1)):
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("error", gradfx.FallbackWarning)
+                        with gradfx.compiled_autograd(backend):
+                            loss.backward()
+                else:
+                    loss.backward()
+            events.append(("grads", [None if p.grad is None else p.grad.tolist() for p in model.module.parameters()]))
+        runs[under_gradfx] = events
+    return {"eager": runs[False], "gradfx": runs[True], "stats": gradfx.stats()}
+
+
+CASES = {
+    "default": {},
+    "bucket_order": {"comm_hook": "allreduce"},
+    "find_unused_parameters": {"ddp": {"find_unused_parameters": True}},
+    "static_graph": {"ddp": {"static_graph": True}},
+    "gradient_as_bucket_view": {"ddp": {"gradient_as_bucket_view": True}},
+    "no_sync": {"no_sync": True},
+    "fp16_compress_hook": {"comm_hook": "fp16"},
+    # One bucket: PowerSGD's chained all-reduces of several buckets in flight deadlock on
+    # gloo, in eager too.
+    "powersgd_hook": {"comm_hook": "powersgd", "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 25}},
+    "users_backend": {"backend": "gm"},
+    "aot_eager": {"backend": "aot_eager"},
+    # rank 0 under gradfx, rank 1 on the eager engine: the collectives still pair up
+    "one_rank_under_gradfx": {"gradfx_ranks": (0,)},
+    "one_rank_falls_back": {"fallback_ranks": (1,)},
+}
+
+
+def _worker(rank, world, port, results):
+    import gradfx  # noqa: F401  (before the first forward registers hooks)
+    from gradfx.capture import native
+    assert native.wait() is not None, native.reason()  # the C++ hooks need the compiled part
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        for name, case in CASES.items():
+            gradfx.reset()
+            try:
+                results[(name, rank)] = _run_case(rank, case)
+            except Exception as err:  # noqa: BLE001  (reported by the case's test)
+                import traceback
+                results[(name, rank)] = {"error": traceback.format_exc()}
+                raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results():
+    manager = mp.Manager()
+    shared = manager.dict()
+    mp.spawn(_worker, args=(2, _free_port(), shared), nprocs=2, join=True)
+    return dict(shared)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ddp_reducer_runs_as_in_eager(results, name):
+    for rank in (0, 1):
+        got = results[(name, rank)]
+        assert "error" not in got, got.get("error")
+        eager, captured = got["eager"], got["gradfx"]
+        kinds = {e[0] for e in eager}
+        assert {"accumulated", "final", "grads"} | ({"bucket"} if "comm_hook" in CASES[name] else set()) <= kinds
+        assert captured == eager, f"rank {rank}: events or gradients differ from eager DDP's"
+        falls_back = rank in CASES[name].get("fallback_ranks", ())
+        under = rank in CASES[name].get("gradfx_ranks", (0, 1)) and not falls_back
+        stats = got["stats"]
+        assert stats["fallbacks"] == (STEPS if falls_back else 0)
+        assert (stats["captures"] >= 1) == under
+        if under and name not in ("find_unused_parameters", "static_graph", "no_sync"):
+            assert stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
+    # the reduced gradients are the same on both ranks (the reducer did reduce them)
+    last = [results[(name, r)]["gradfx"][-1] for r in (0, 1)]
+    assert last[0] == last[1]
