@@ -175,16 +175,15 @@ def generate(call: BackwardCall, tensors, structure):
 
 def _with_program(lines, planned: tuple, call: BackwardCall):
     """The walker that runs the whole walk as one C++ call (walk_program), its lines where
-    that answers None and wherever hooks may be live or distributed training is on."""
+    that answers None and wherever hooks may be live."""
     run = _native("program")
     program, foreign = planned
     roots = len(call.roots)
-    dist_initialized = distributed.initialized
     pre, retained, node_dicts = hooks.none_possible()
 
     def fast_walk(tensors, grads, inputs, accumulate):
         if (accumulate is True and len(tensors) == roots and len(grads) == roots and not inputs
-                and not (pre or retained or node_dicts) and not dist_initialized()):
+                and not (pre or retained or node_dicts)):
             found = run(tensors, grads, program)
             if found is not None:
                 if foreign:  # hooked saved tensors: the user's (not gradfx's, not released)?

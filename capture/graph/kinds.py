@@ -574,6 +574,9 @@ def walk_hooks(w: Walk, rec: NodeRecord, i: int, node, var=None) -> None:
     w.key.append(spec.key())
 
 
+NATIVE_POST_ONLY = HookSpec(native_post=True).key()
+
+
 def emit_hooks(src, i: int, rec: NodeRecord, var: str | None) -> str | None:
     """Code that collects the node's hook inputs (a list variable) or checks it has none."""
     expected = rec.hooks.key() if rec.hooks is not None else None
@@ -585,6 +588,14 @@ def emit_hooks(src, i: int, rec: NodeRecord, var: str | None) -> str | None:
                                                   f"and {var}._post_accumulate_grad_hooks is None)")
         src.hook_check(False, f"if not ({quiet} or {call} is None): return None")
         return None
+    if var is not None and expected == NATIVE_POST_ONLY:
+        # C++ post-hooks alone (DDP's reducer, the common case under DDP; the walker's mask
+        # check found them): the node is the one input, unless Python hooks came since.
+        quiet = f"not active and {var}._backward_hooks is None and {var}._post_accumulate_grad_hooks is None"
+        src.hook_check(True, f"if {quiet}:", f"    h{i} = [n{i}]", "else:", f"    h = {call}",
+                       f"    if not (h is not None and h.key() == {src.const(expected)}): return None",
+                       f"    h{i} = h.inputs()")
+        return f"h{i}"
     src.hook_check(True, f"h = {call}", f"if not (h is not None and h.key() == {src.const(expected)}): return None",
                    f"h{i} = h.inputs()")
     return f"h{i}"

@@ -8,7 +8,8 @@ same reads and comparisons, in the same order, run as one C++ call over a plan b
 here from the same specifications (``kinds``): no Python line per node, no bytecode
 to fetch per backward.  The call answers what the lines would return, or None; then
 the lines run (they decide, and the call took nothing over).  Where hooks may be
-live, or distributed training is on, the lines run directly.  The call makes no Python
+live the lines run directly.  Leaves whose accumulators have C++ post-hooks alone
+(DistributedDataParallel's reducer) are walked here too.  The call makes no Python
 object per node (program.cpp says how): a node's own input is None in what it returns,
 and the session gives a graph the node objects it reads.
 
@@ -19,12 +20,12 @@ other (a nested size layout, a value keyed by ``value_key``) keeps its lines alo
 from __future__ import annotations
 
 from .. import native
-from .kinds import (ACCUMULATE, TRACED, AccumulateKind, TracedKind, _tensor_expected, flatten_sizes,
-                    kind_of, native_offsets)
+from .kinds import (ACCUMULATE, NATIVE_POST_ONLY, TRACED, AccumulateKind, TracedKind, _tensor_expected,
+                    flatten_sizes, kind_of, native_offsets)
 from .saved import ForeignOwned
 
 # Step and input codes of program.cpp
-METAS, VALUE, SAVED, LEAF, GRAD, FOREIGN = range(6)
+METAS, VALUE, SAVED, LEAF, GRAD, FOREIGN, CPP_HOOKS = range(7)
 SIZE, SIZES, NONE, EQUAL = range(4)
 GRAD_INPUT, SAVED_INPUT, NODE_INPUT, LEAF_INPUT = range(4)
 
@@ -43,7 +44,9 @@ def plan(call, structure_plan: tuple):
     for i, node in enumerate(call.nodes):
         rec = records[i]
         foreign = type(call.owned[i]) is ForeignOwned  # walked as OPAQUE: the user's hooks hold its tensors
-        if not rec.runs or rec.hooks is not None or (rec.kind not in (ACCUMULATE, TRACED) and not foreign):
+        native_post = rec.hooks is not None and rec.hooks.key() == NATIVE_POST_ONLY
+        if not rec.runs or (rec.hooks is not None and not native_post) or \
+                (rec.kind not in (ACCUMULATE, TRACED) and not foreign):
             return None
         spec, info = kind_of(node)
         if isinstance(spec, AccumulateKind):
@@ -52,7 +55,12 @@ def plan(call, structure_plan: tuple):
                 return None
             steps.append((LEAF, i, ((type(v), v.dim(), v.dtype, v.layout, v.device, v.is_contiguous()),
                                     v.requires_grad, v.grad_dtype)))
+            # C++ post-hooks (DDP's reducer) where the capture found them and none elsewhere:
+            # the lines ask only while torch.distributed is initialized, this check always.
+            steps.append((CPP_HOOKS, i, native_post))
             layout.append((LEAF_INPUT, i, 0))
+            if native_post:  # the hook call's node, as walk_hooks adds it
+                layout.append((NODE_INPUT, i, 0))
             continue
         if not isinstance(spec, TracedKind) or info.kind is not TRACED or info.hidden:
             return None

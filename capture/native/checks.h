@@ -70,6 +70,9 @@ PyObject* saved(const NodePtr& node, const SavedSpec* specs, size_t count, const
 // A HeldByNode (saved.cpp) of ``node``: its variables at ``offsets`` left to it; a new reference.
 PyObject* held(const NodePtr& node, PyObject* offsets, PyObject* mask);
 
+// How many of the node's post-hooks are C++ hooks, not a Python hook's wrapper (post_hooks.cpp).
+long cpp_post_hook_count(torch::autograd::Node* node);
+
 // Sizes gathered in C++ appended to a Python list; false (an error set) if that fails.
 bool extend(PyObject* list, const std::vector<int64_t>& sizes);
 

@@ -7,6 +7,8 @@
 // node's outputs (none for an accumulator) and its inputs.  The GIL is released, as
 // the engine runs nodes without it; the Python hooks take it themselves.
 
+#include "checks.h"
+
 #include <pybind11/pybind11.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -35,19 +37,26 @@ bool python_hook(const torch::autograd::FunctionPostHook& hook) {
   return std::strstr(typeid(hook).name(), "PyFunctionPostHook") != nullptr;
 }
 
-// How many of the node's post-hooks are C++ hooks (not a Python hook's wrapper).
-PyObject* cpp_post_hooks(PyObject* /*self*/, PyObject* obj) {
-  Node* node = builtin_node(obj);
-  if (node == nullptr) {
-    return nullptr;
-  }
+}  // namespace
+
+long gradfx_native::cpp_post_hook_count(Node* node) {
   long count = 0;
   for (const auto& hook : node->post_hooks()) {
     if (!python_hook(*hook)) {
       ++count;
     }
   }
-  return PyLong_FromLong(count);
+  return count;
+}
+
+namespace {
+
+PyObject* cpp_post_hooks(PyObject* /*self*/, PyObject* obj) {
+  Node* node = builtin_node(obj);
+  if (node == nullptr) {
+    return nullptr;
+  }
+  return PyLong_FromLong(gradfx_native::cpp_post_hook_count(node));
 }
 
 // run_post_hooks(node, inputs: tuple of Tensor or None)

@@ -30,7 +30,7 @@ using gradfx_native::NodePtr;
 using gradfx_native::SavedSpec;
 using gradfx_native::TensorSpec;
 
-enum Kind : long { kMetas = 0, kValue = 1, kSaved = 2, kLeaf = 3, kGrad = 4, kForeign = 5 };
+enum Kind : long { kMetas = 0, kValue = 1, kSaved = 2, kLeaf = 3, kGrad = 4, kForeign = 5, kCppHooks = 6 };
 enum Value : long { kSize = 0, kSizes = 1, kNone = 2, kEqual = 3 };
 enum Input : long { kGradInput = 0, kSavedInput = 1, kNodeInput = 2, kLeafInput = 3 };
 // How a kEqual value compares: the forms emit_values' ``type(x) is T and x == C`` takes
@@ -332,6 +332,10 @@ Program* parse(PyObject* plan, PyObject* nodes) {
         p->leaves.emplace_back();
         ok = gradfx_native::parse_leaf(arg, &p->leaves.back());
         break;
+      case kCppHooks:  // (bool): whether the accumulator has C++ post-hooks (DDP's reducer)
+        step.number = PyObject_IsTrue(arg);
+        ok = step.number >= 0;
+        break;
       case kForeign:  // (offsets): the saved variables, of which one must carry hooks
         if (!PyTuple_Check(arg)) {
           return bad();
@@ -477,7 +481,8 @@ bool no_tensor_hooks(PyObject* leaf) {
 
 // The plan's tuple, as walk_program.plan builds it: (structure plan, steps, inputs, held, n):
 //   steps   in the lines' order: (kGrad, k, expected), (kMetas, i, expected),
-//           (kValue, i, descriptor, mode, arg), (kSaved, i, spec), (kLeaf, i, expected);
+//           (kValue, i, descriptor, mode, arg), (kSaved, i, spec), (kLeaf, i, expected),
+//           (kForeign, i, offsets), (kCppHooks, i, has C++ post-hooks);
 //   inputs  the returned inputs: (kGradInput, k, 0), (kSavedInput, i, j), (kNodeInput, i, 0),
 //           (kLeafInput, i, 0);
 //   held    (i, offsets, mask) per node whose saved tensors stay with it (HeldByNode).
@@ -533,6 +538,9 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
         }
         break;
       }
+      case kCppHooks:
+        ok = (gradfx_native::cpp_post_hook_count(nodes[i].get()) > 0) == (step.number != 0);
+        break;
       case kLeaf: {
         PyObject* v = gradfx_native::leaf(nodes[i].get(), p.leaves[step.begin], &sizes);
         if (v == nullptr) {
