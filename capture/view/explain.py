@@ -461,12 +461,15 @@ def _mask_change(a, b) -> str:
 
 def _hooks(spec) -> str:
     """A HookSpec.key() in words."""
-    if not (isinstance(spec, tuple) and len(spec) == 5):
+    if not (isinstance(spec, tuple) and len(spec) == 6):
         return _short(spec)
-    tensor_pre, retain, pre, post, post_accumulate = spec
+    tensor_pre, retain, pre, post, post_accumulate, native_post = spec
     counts = [(sum(n for _, n in tensor_pre), "tensor hook"), (len(retain), "retain_grad"),
               (pre, "pre-hook"), (len(post), "post-hook"), (post_accumulate, "post-accumulate-grad hook")]
-    return ", ".join(_count(n, word) for n, word in counts if n) or "none"
+    words = [_count(n, word) for n, word in counts if n]
+    if native_post:
+        words.append("C++ post-hooks (DDP's reducer)")
+    return ", ".join(words) or "none"
 
 
 def _ctx_change(a, b) -> str:
@@ -535,7 +538,8 @@ _NO_HOOK = object()
 
 
 _HOOK_CALLS = {hook_ops.call_tensor_hook: "tensor hook", hook_ops.call_pre_hook: "pre-hook",
-               hook_ops.call_post_hook: "post-hook", hook_ops.call_post_accumulate_hook: "post-accumulate-grad hook"}
+               hook_ops.call_post_hook: "post-hook", hook_ops.call_post_accumulate_hook: "post-accumulate-grad hook",
+               hook_ops.call_node_post_hooks: "post-hook (C++ or Python)"}
 
 
 def hook_name(hook) -> str:
