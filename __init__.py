@@ -18,13 +18,21 @@ if __name__ != "gradfx":
     sys.modules[__name__] = _gradfx
 else:
     from .backends import list_backends, register_backend
-    from .capture import CapturedGraph, FallbackWarning, Unsupported
+    from .capture import logs
     from .capture.api import capture, compiled_autograd
+    from .capture.errors import FallbackWarning, Unsupported
+    from .capture.graph import functions, hooks
+    from .capture.graph.functions import traceable
     from .capture.run.cache import set_cache_size
-    from .capture.trace.functions import traceable
-    from .capture.run.counters import stats
     from .capture.run.session import reset
+    from .capture.runtime.counters import stats
+    from .capture.view.captured_graph import CapturedGraph
     from .reorder import list_passes
+
+    hooks.install()  # notes of hook registrations, before the user's first forward
+    functions.install()
+    logs.register_with_torch_logs()
+    del functions, hooks, logs
 
     __all__ = [
         "CapturedGraph", "FallbackWarning", "Unsupported", "capture", "compiled_autograd",

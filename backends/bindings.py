@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..capture.run.runtime_ops import accumulate_grad, accumulate_grad_unchecked
+from ..capture.runtime.runtime_ops import accumulate_grad, accumulate_grad_unchecked
 
 _PLAIN_CALLS = (operator.getitem, accumulate_grad, accumulate_grad_unchecked)
 

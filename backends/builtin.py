@@ -13,10 +13,11 @@ from torch.fx.graph import _BoxedCodeGen
 
 from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
-from ..capture.run import counters
-from ..capture.run.runtime_ops import accumulate_grad, unchecked_accumulator
+from ..capture.runtime import counters
+from ..capture.runtime.runtime_ops import accumulate_grad, unchecked_accumulator
 from ..reorder.memory import frees_inputs_early
-from . import bindings, register_backend, takes_plain_graph
+from . import bindings
+from .registry import register_backend, takes_plain_graph
 from .split import MIN_OPS, aten_work, partition, runner
 
 log = logging.getLogger("gradfx")

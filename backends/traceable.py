@@ -42,7 +42,7 @@ import threading
 import torch
 import torch.fx as fx
 
-from ..capture.run import hook_ops, runtime_ops
+from ..capture.runtime import hook_ops, runtime_ops
 from ..capture.trace.engine_loop import _GROUPED_OUTPUTS
 
 # Custom Functions whose backward dynamo cannot inline: they run as the custom op.

@@ -19,7 +19,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from .. import reorder
 from .errors import _Fallback
 from .graph.walk import BackwardCall
-from .run import torch_caches
+from .trace import torch_caches
 from .view import annotate, explain
 from .view.captured_graph import CapturedGraph
 

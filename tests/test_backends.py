@@ -129,7 +129,7 @@ def test_runtime_error_names_the_autograd_node_and_keeps_its_type():
 
 def test_entry_point_backends_are_listed(monkeypatch):
     import importlib.metadata as md
-    from gradfx import backends
+    from gradfx.backends import registry
 
     class EP:
         name = "from_plugin"
@@ -137,7 +137,7 @@ def test_entry_point_backends_are_listed(monkeypatch):
         def load(self):
             return lambda gm, ex: gm
     monkeypatch.setattr(md, "entry_points", lambda group=None: [EP()] if group == "gradfx.backends" else [])
-    monkeypatch.setattr(backends, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
     assert "from_plugin" in gradfx.list_backends()
     lin = nn.Linear(2, 2)
     with gradfx.compiled_autograd(backend="from_plugin"):

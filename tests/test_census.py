@@ -290,7 +290,7 @@ def test_fake_cuda_gpt2_has_the_graph_of_cudas_dropout(monkeypatch):
     each of its dropout nodes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from gradfx.capture import native
-    from gradfx.capture.graph import hidden
+    from gradfx.capture.graph.kinds import hidden_state
 
     loss_of = lm_loss("causal")
     monkeypatch.setattr(torch.nn.functional, "dropout", _fused_dropout)
@@ -306,7 +306,7 @@ def test_fake_cuda_gpt2_has_the_graph_of_cudas_dropout(monkeypatch):
     assert _kind_counts(loss.grad_fn) == imitated
     assert native.wait() is not None, native.reason()
     dropouts = [n for n in autograd_nodes(loss.grad_fn) if type(n).__name__ == "NativeDropoutBackward0"]
-    assert len(dropouts) == 7 and all(hidden.state(n) == ((), (True,)) for n in dropouts)
+    assert len(dropouts) == 7 and all(hidden_state(n) == ((), (True,)) for n in dropouts)
 
 
 # --- fake tensors -----------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 import gradfx
 from gradfx.capture import native
-from gradfx.capture.graph import hidden
+from gradfx.capture.graph.kinds import hidden_state
 from helpers import assert_same, autograd_nodes, grads_of
 
 pytestmark = pytest.mark.skipif(native.wait() is None, reason=f"no compiled part: {native.reason()}")
@@ -131,7 +131,7 @@ def test_dropout_that_did_not_train_is_another_graph():
     """train=False keeps p and the all-true mask: only the hidden flag (scale 1, not 1/(1-p))
     differs."""
     x = leaf(4, 6)
-    keys = [hidden.state(torch.native_dropout(x, 0.3, train)[0].grad_fn) for train in (True, False)]
+    keys = [hidden_state(torch.native_dropout(x, 0.3, train)[0].grad_fn) for train in (True, False)]
     assert keys[0] != keys[1]
     stats = _twice(lambda x, y: _native_dropout(x, y, p=0.0), lambda x, y: _native_dropout(x, y, False, p=0.0))
     assert stats["captures"] == 2 and stats["cache_hits"] == 1, stats
@@ -154,7 +154,7 @@ def test_another_input_geometry_of_as_strided_is_another_graph():
     def program(x, y):
         return x.as_strided((3, 3), (2, 1), 7).exp() * y.sum()
     a, b = (program(leaf_at(k), leaf(1)).grad_fn.next_functions[0][0].next_functions[0][0] for k in (0, 6))
-    assert type(a).__name__ == "AsStridedBackward0" and hidden.state(a) != hidden.state(b)
+    assert type(a).__name__ == "AsStridedBackward0" and hidden_state(a) != hidden_state(b)
     y = leaf(1)
     for offset in (0, 6, 0):
         x = leaf_at(offset)

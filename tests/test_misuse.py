@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import gradfx
-from gradfx.capture.run import runtime_ops
+from gradfx.capture.runtime import runtime_ops
 from gradfx.capture.run.cache import cache
 from helpers import assert_same, grads_of
 

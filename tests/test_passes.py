@@ -6,9 +6,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 import gradfx
-from gradfx.capture.run import runtime_ops
+from gradfx.capture.runtime import runtime_ops
 from gradfx.capture.trace import kinds
-from gradfx.capture.run.hook_ops import call_tensor_hook
+from gradfx.capture.runtime.hook_ops import call_tensor_hook
 from gradfx.reorder import resolve, run_pipeline
 from gradfx.reorder.dce import eliminate_dead_code
 from gradfx.reorder.memory import free_inputs_early, frees_inputs_early

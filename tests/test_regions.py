@@ -15,7 +15,8 @@ import torch.nn as nn
 
 import gradfx
 from gradfx.backends import builtin
-from gradfx.capture.run import continuation, runtime_ops
+from gradfx.capture.run import continuation
+from gradfx.capture.runtime import runtime_ops
 from helpers import grads_of, snap
 
 

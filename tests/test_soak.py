@@ -67,8 +67,8 @@ def _census() -> dict:
 
 def _unowned(cache: dict) -> int:
     """Entries of a torch cache that no live graph owns (gradfx removes what its graph
-    added when that graph dies: see capture/run/torch_caches.py)."""
-    from gradfx.capture.run import torch_caches
+    added when that graph dies: see capture/trace/torch_caches.py)."""
+    from gradfx.capture.trace import torch_caches
     owned = set()
     for info in list(weakref.finalize._registry.values()):
         if info.func is torch_caches._release:

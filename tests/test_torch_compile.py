@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 import gradfx
 from gradfx.backends.traceable import accumulate
-from gradfx.capture.run import hook_ops
+from gradfx.capture.runtime import hook_ops
 from gradfx.capture.trace import aot_regions
 from helpers import RetNone, hooked_captures
 

@@ -28,8 +28,9 @@ from torch.autograd.function import BackwardCFunction
 
 from .. import native
 from ..errors import _Fallback
-from ..trace.functions import promised_traceable
-from . import hidden, hooks
+from .functions import promised_traceable
+from . import hidden, hooks, regions
+from .run_real import RUN_REAL
 from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, readable, take_saved, unreadable
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
@@ -90,12 +91,11 @@ def type_info(node_type: type) -> TypeInfo:
 
 def is_traceable(function_node_type: type) -> bool:
     """Is this custom Function's backward traced into the graph (see gradfx.traceable; a
-    torch.compile'd region's backward: trace.aot_regions)?"""
+    torch.compile'd region's backward: graph.regions)?"""
     cls = function_node_type._forward_cls
     if promised_traceable(cls):
         return True
-    from ..trace import aot_regions  # lazily: the trace package imports this module
-    return aot_regions.is_region(cls)
+    return regions.is_region(cls)
 
 
 def traced_ctx_key(ctx):
@@ -103,13 +103,12 @@ def traced_ctx_key(ctx):
     run opaque after all (a compiled region holding opaque objects)."""
     if promised_traceable(ctx._forward_cls):
         return ctx_key(ctx)
-    from ..trace import aot_regions
-    return aot_regions.ctx_key(ctx)
+    return regions.ctx_key(ctx)
 
 
 def function_materializes(ctx) -> bool:
     # ctx.materialize_grads cannot be read back from Python; set_materialize_grads
-    # is wrapped (capture.trace.functions.install) to leave a readable copy.
+    # is wrapped (graph.functions.install) to leave a readable copy.
     return ctx.__dict__.get("_gradfx_materialize_grads", True)
 
 
@@ -117,8 +116,7 @@ def region_ints(ctx):
     """The ints a traced compiled region's ctx saved (sizes), or None for other Functions."""
     if promised_traceable(ctx._forward_cls):
         return None
-    from ..trace import aot_regions
-    return aot_regions.saved_ints(ctx)
+    return regions.saved_ints(ctx)
 
 
 REGION_INTS = "_saved_symints"  # the NodeRecord.values slot of a compiled region's saved ints
@@ -384,7 +382,7 @@ def emit_values(src, var: str, node, info: TypeInfo) -> None:
 def walk_hidden(w: Walk, rec: NodeRecord, node) -> None:
     """C++ state the node's formula reads (graph.hidden): its sizes to the sizes, the rest to
     the key; None (the node runs as itself) to the key where it cannot be read."""
-    read = hidden.state(node)
+    read = hidden_state(node)
     if read is None:
         w.key.append(None)
         return
@@ -762,3 +760,37 @@ def kind_of(node) -> tuple:
     """(the node type's spec, its TypeInfo)."""
     info = _type_info.get(type(node)) or type_info(type(node))
     return KINDS[info.kind], info
+
+
+# -- hidden state (graph.hidden) ---------------------------------------------------
+
+def hidden_state(node):
+    """The hidden state of ``node`` (of a ``hidden.KEYED`` type) as (sizes, key): sizes that follow
+    the data (nested tuples of ints, which go to the walk's sizes: guarded, or symbolic) and
+    the rest, hashable, for the key.  None where the node must run as itself: the compiled
+    part is not (yet) loaded, or see graph.hidden's doc."""
+    reader = native.module()
+    if reader is None:
+        return None
+    read = reader.hidden(node)
+    if read is None:
+        return None
+    if type(node).__name__ != "CopySlices":
+        return (), read  # rare ops: their hidden sizes stay in the key
+    base, view, fn, replayed = read
+    wrapped = _wrapped_key(fn)
+    if replayed or wrapped is None:
+        return None
+    return (base[0], base[1], (base[2],), view[0], view[1], (view[2],)), wrapped
+
+
+def _wrapped_key(fn):
+    """A CopySlices' in-place node as a key (type, visible saved values), or None."""
+    if fn is None:
+        return None
+    tp = type(fn)
+    info = type_info(tp)
+    if (info.kind != TRACED or info.raw_saved or tp.__name__ in RUN_REAL or tp.__name__ in hidden.KEYED
+            or tp.__name__ == "CppFunction"):
+        return None
+    return (tp,) + tuple(value_key(getattr(fn, attr)) for attr in info.saved_values)

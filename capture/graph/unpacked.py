@@ -120,18 +120,18 @@ def with_saved(node, plan: Plan, values: tuple, fn, args: tuple):
 
 
 class Learner:
-    """Where the unpacks of one captured graph report the layouts they found: the cache
-    keys the structure's next capture by them (``cache.learn``)."""
+    """Where the unpacks of one captured graph report the layouts they found: ``learn``
+    (the driver's cache, ``cache.learn``) keys the structure's next capture by them."""
 
-    __slots__ = ("base", "known")
+    __slots__ = ("base", "known", "learn")
 
-    def __init__(self, base, known: dict):
+    def __init__(self, base, known: dict, learn=None):
         self.base = base  # the structure, without assumptions
         self.known = known  # node index -> metas the graph was traced with (or learned since)
+        self.learn = learn  # learn(structure, node index, metas); None: gradfx.capture's, keys nothing
 
     def learned(self, i: int, values: tuple) -> None:
         metas = tuple(map(meta, values))
-        if self.base is not None and self.known.get(i) != metas:  # None: gradfx.capture's, keys nothing
+        if self.learn is not None and self.known.get(i) != metas:
             self.known[i] = metas
-            from ..run.cache import cache  # the run package imports this one
-            cache.learn(self.base, i, metas)
+            self.learn(self.base, i, metas)

@@ -27,7 +27,7 @@ from ..graph import unpacked
 from ..graph.kinds import ACCUMULATE, type_info
 from ..graph.saved import ForeignOwned, SavedTensors, left_to_node
 from ..trace import engine_loop
-from . import hook_ops, runtime_ops
+from ..runtime import hook_ops, runtime_ops
 
 
 def finish(call, frontier: engine_loop.Frontier, stop: runtime_ops.Diverged, keep_graph: bool,

@@ -21,7 +21,7 @@ import threading
 import torch
 from torch.autograd.variable import Variable
 
-from . import hook_ops
+from ..runtime import counters, hook_ops
 
 
 class RoutingEngine:
@@ -63,31 +63,19 @@ class RoutingEngine:
         return self.engine.is_checkpoint_valid() if valid is None else valid
 
 
-class _Blocks(threading.local):
-    """The open blocks of this thread, innermost last."""
-
-    def __init__(self):
-        self.stack = []
-
-
-_blocks = _Blocks()
-
-
 def enter(block) -> None:
-    """A block opens on this thread: its backward calls go to ``block.run_backward``."""
+    """A block opens on this thread: its backward calls go to ``block.run_backward`` (and
+    its counts to ``block``: the counters keep the open blocks)."""
     if type(Variable._execution_engine) is not RoutingEngine:  # install(), its common case inline
         install()
-    _blocks.stack.append(block)
+    counters.opened(block)
 
 
 def leave(block) -> None:
-    _blocks.stack.remove(block)
+    counters.closed(block)
 
 
-def current():
-    """The innermost open block on this thread, or None."""
-    stack = _blocks.stack
-    return stack[-1] if stack else None
+current = counters.current  # the innermost open block on this thread, or None
 
 
 _running = threading.local()

@@ -25,11 +25,12 @@ from ...backends.identity import Key, callable_key
 from .. import logs, native, pipeline, torch_releases
 from ..view import annotate
 from ..graph import fast_walk
-from . import continuation, counters, hook_ops, routing, self_check
+from . import continuation, routing, self_check
+from ..runtime import counters, hook_ops
 from .cache import Assumed, cache
 from ..view.captured_graph import CapturedGraph
 from ..errors import FallbackWarning, Unsupported, _Fallback
-from .runtime_ops import Diverged, UnpackedOtherwise, WrongGradient
+from ..runtime.runtime_ops import Diverged, UnpackedOtherwise, WrongGradient
 from ..stacklevel import user_stacklevel
 from ..graph.saved import ForeignHooks, left_to_node
 from ..graph.unpacked import Learner
@@ -316,7 +317,7 @@ class Session:
                                              symbolic=cache.dynamic_positions.get(structure, ())))
         else:
             explain.log_structure_miss(call)
-        learner = Learner(base, unpacked)
+        learner = Learner(base, unpacked, cache.learn)
         made = pipeline.capture_call(call, self._dynamic_positions(call, structure), self.passes,
                                      names=self.names, grad_inputs=grad_inputs, assumed_none=assumed,
                                      learner=learner,
@@ -725,3 +726,6 @@ def _call_entry(entry: CompiledBackward, inputs: list):
     out = entry.fn(*inputs)
     inputs.clear()
     return out
+
+
+self_check.block_type = Session  # the block its probes run in

@@ -30,34 +30,12 @@ import weakref
 import torch
 import torch.fx as fx
 
+from ..graph.regions import backward_graph, is_region
+
 aten = torch.ops.aten
 log = logging.getLogger("gradfx")
 
 _state = threading.local()  # .replaying: the Function classes replayed on this thread
-_deserialized: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Function class -> its graph
-
-
-def backward_graph(function_cls):
-    """The AOT backward graph of a compiled region's Function class, or None where gradfx
-    does not replay it (not a compiled region, or one of the cases in the module doc)."""
-    info = getattr(function_cls, "_lazy_backward_info", None)
-    module = getattr(info, "bw_module", None)
-    if module is None and callable(getattr(info, "bw_module_fn", None)):
-        # A region loaded from inductor's FX graph cache keeps its graph serialized.
-        module = _deserialized.get(function_cls)
-        if module is None:
-            module = _deserialized[function_cls] = info.bw_module_fn()
-    if not isinstance(module, fx.GraphModule) or not callable(getattr(function_cls, "_backward_impl", None)):
-        return None
-    metadata = getattr(function_cls, "metadata", None)
-    if (getattr(function_cls, "maybe_subclass_metadata", None) is not None
-            or getattr(metadata, "is_rng_op_functionalized", True) or getattr(metadata, "tokens", True)):
-        return None
-    return module
-
-
-def is_region(function_cls) -> bool:
-    return backward_graph(function_cls) is not None
 
 
 _told: "weakref.WeakSet" = weakref.WeakSet()  # region classes whose replay failure was logged
@@ -72,20 +50,6 @@ def say_why_opaque(function_cls, err: Exception) -> None:
     first = str(err).strip().splitlines()
     log.info("gradfx: a torch.compile'd region's backward (%s) runs as itself, not traced: %s: %s",
              function_cls.__name__, type(err).__name__, first[0] if first else "")
-
-
-def ctx_key(ctx) -> tuple | None:
-    """A region's ctx for the key: how many ints it saved (``symints``: sizes, which go to
-    the walk's sizes, guarded or symbolic); None where it holds opaque objects or saved
-    something else (the node stays opaque)."""
-    ints = ctx.__dict__.get("symints", ())
-    if ctx.__dict__.get("opaque_objects") or any(type(v) is not int for v in ints):
-        return None
-    return ("aot region", len(ints))
-
-
-def saved_ints(ctx) -> list:
-    return list(ctx.__dict__.get("symints", ()))
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..run import hook_ops, runtime_ops
+from ..runtime import hook_ops, runtime_ops
 
 SIDE_EFFECTS = frozenset({"accumulate", "hook", "opaque", "check"})
 

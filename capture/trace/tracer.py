@@ -33,15 +33,14 @@ from torch.fx.experimental.proxy_tensor import (
 from torch._prims_common import is_contiguous_or_false, make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
-from ..run import hook_ops, runtime_ops
+from ..runtime import hook_ops, runtime_ops
 from . import aot_regions, engine_loop, fast_ops, plain_layout, sym_memo
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
 from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, TAKES_NONE, apply_rule
 from .rules_builtin import copy_slices
 from .shapes import SymbolicSizes
-from ..graph import hidden as graph_hidden
-from ..graph import unpacked
+from ..graph import hidden as graph_hidden, unpacked
 from ..graph.saved import ForeignOwned, substitute, substituted
 from ..graph.kinds import ACCUMULATE, REGION_INTS, type_info
 from ..graph.walk import BackwardCall

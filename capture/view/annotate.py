@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.fx as fx
 
-from ..run import runtime_ops
+from ..runtime import runtime_ops
 
 
 class Names:

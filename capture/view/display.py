@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from ..run import hook_ops, runtime_ops
+from ..runtime import hook_ops, runtime_ops
 from ..trace.kinds import kind_of
 from .annotate import tensor_label
 

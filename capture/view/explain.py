@@ -9,7 +9,7 @@ import re
 
 from ..graph.kinds import ACCUMULATE, FUNCTION, OPAQUE, type_info
 from ..graph.walk import BackwardCall, _NodeMark
-from ..run import hook_ops
+from ..runtime import hook_ops
 
 log = logging.getLogger("gradfx")
 

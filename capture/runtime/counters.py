@@ -1,11 +1,15 @@
-"""The counters of API.md §2: per block (``session.stats``) and for the process (``stats()``)."""
+"""The counters of API.md §2: per block (``session.stats``) and for the process (``stats()``).
+
+A count goes to the innermost block open on the thread that counts (the driver opens
+and closes them, ``run.routing``), or to the process alone outside any.  Backends
+count here while they compile and when a compiled graph compiles again at run time.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
-
-from . import routing
 
 log = logging.getLogger("gradfx")
 
@@ -25,10 +29,34 @@ def clear() -> None:
         totals[k] = 0
 
 
+class _Open(threading.local):
+    """The open blocks of this thread, innermost last."""
+
+    def __init__(self):
+        self.stack = []
+
+
+_open = _Open()
+
+
+def current():
+    """The innermost open block on this thread, or None."""
+    stack = _open.stack
+    return stack[-1] if stack else None
+
+
+def opened(block) -> None:
+    _open.stack.append(block)
+
+
+def closed(block) -> None:
+    _open.stack.remove(block)
+
+
 def note(name: str) -> None:
     """Count ``name`` in the innermost block on this thread (the one whose backward is
     running or compiling), or for the process alone outside any block."""
-    block = routing.current()
+    block = current()
     if block is not None:
         block._count(name)
     else:
