@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
 from ..capture.runtime import counters
-from ..capture.trace.kinds import has_side_effect, kind_of
+from ..capture.trace.fx_kinds import has_side_effect, kind_of
 from ..reorder.memory import free_inputs_early
 from . import repeated_blocks
 

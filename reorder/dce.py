@@ -3,7 +3,7 @@
 fx's own ``eliminate_dead_code`` decides impurity by its own rules; a backward
 graph has side effects fx does not know about (leaf accumulation, hook calls,
 opaque node calls).  Here a node is kept if it is a placeholder or output, its
-kind (``capture.trace.kinds``) is a side effect, it is an in-place or otherwise
+kind (``capture.trace.fx_kinds``) is a side effect, it is an in-place or otherwise
 mutating aten op, or something kept uses it.
 
 Before::
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..capture.trace.kinds import has_side_effect
+from ..capture.trace.fx_kinds import has_side_effect
 
 
 def eliminate_dead_code(graph: fx.Graph) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..capture.trace.getitems import is_getitem, unpack_right_after
-from ..capture.trace.kinds import has_side_effect
+from ..capture.trace.fx_kinds import has_side_effect
 
 
 def _is_side_effect(node: fx.Node) -> bool:

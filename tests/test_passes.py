@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import gradfx
 from gradfx.capture.runtime import runtime_ops
-from gradfx.capture.trace import kinds
+from gradfx.capture.trace import fx_kinds as kinds
 from gradfx.capture.runtime.hook_ops import call_tensor_hook
 from gradfx.reorder import resolve, run_pipeline
 from gradfx.reorder.dce import eliminate_dead_code

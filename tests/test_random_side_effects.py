@@ -181,7 +181,7 @@ def test_draw_kept_in_the_graph_a_backend_gets():
 
 
 def test_dce_keeps_random_ops():
-    from gradfx.capture.trace.kinds import op_has_side_effect
+    from gradfx.capture.trace.fx_kinds import op_has_side_effect
     aten = torch.ops.aten
     for op in (aten.randn.default, aten.rand.generator, aten.bernoulli.p, aten.native_dropout.default,
                aten.randint.low, aten.normal_.default, aten.add_.Tensor, aten.copy_.default):

@@ -16,8 +16,6 @@ backward falls back (:func:`cpp_hooks_reason`).
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from .. import native
@@ -33,20 +31,11 @@ def _refuse(gm):
     raise _Refused()
 
 
-class _Quiet(threading.local):
-    on = False
-
-
-_quiet = _Quiet()
-
-
 def initialized() -> bool:
     """Is torch.distributed's default process group initialized?  Asked on every cached
     backward: torch's ``is_initialized()`` is three Python frames (12 us when the caches
     are cold, as after a graph has run), so this reads what it reads, the registry's
     default group, directly where the registry has it (torch 2.11-2.14)."""
-    if _quiet.on:
-        return False
     world = _world[0] if _world else _registry()
     if world is not None:
         return world._default_pg is not None
@@ -68,18 +57,6 @@ def _registry():
 
 
 _world: list = []  # [the registry or None], once looked up
-
-
-class unprobed:
-    """Context: on this thread, graphs are not probed for C++ hooks.  The probe
-    enables torch's compiled autograd for the whole process; gradfx's warm-up trace
-    (of a graph of its own, on a thread of its own) must not."""
-
-    def __enter__(self):
-        _quiet.on = True
-
-    def __exit__(self, *exc):
-        _quiet.on = False
 
 
 def cpp_hooked(node) -> bool:

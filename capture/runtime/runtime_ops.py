@@ -2,7 +2,7 @@
 
 They appear in the fx graph as ``call_function`` nodes.  Each one is a side effect
 or touches a live Python object, so backends must not trace into them and DCE must
-keep them (``capture.trace.kinds`` says which kind each is).
+keep them (``capture.trace.fx_kinds`` says which kind each is).
 """
 
 from __future__ import annotations

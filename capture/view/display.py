@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime import hook_ops, runtime_ops
-from ..trace.kinds import kind_of
+from ..trace.fx_kinds import kind_of
 from .annotate import tensor_label
 
 # Input kinds, by what a person reads them as.  "runtime" inputs are live

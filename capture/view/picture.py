@@ -25,7 +25,7 @@ from collections import Counter
 
 import torch.fx as fx
 
-from ..trace.kinds import data_inputs
+from ..trace.fx_kinds import data_inputs
 from . import display
 from .layout import Layout, Scene, TITLE_H, lay_out
 

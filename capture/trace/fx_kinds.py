@@ -31,10 +31,6 @@ _BY_TARGET = {
 }
 
 
-def stamp(node: fx.Node, kind: str) -> None:
-    node.meta["gradfx_kind"] = kind
-
-
 def kind_of(node: fx.Node) -> str:
     """The node's kind; ``output`` for the output node, ``input`` for an unstamped placeholder."""
     if node.op == "output":
