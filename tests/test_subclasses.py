@@ -170,8 +170,7 @@ def subclass_saved(cls):
 @pytest.mark.parametrize("cls", [Passthrough, Raising])
 @pytest.mark.parametrize("program,reason", [
     (subclass_leaf, "as the leaf of AccumulateGrad"),
-    (subclass_saved, "among the saved tensors of MulBackward0"),
-], ids=["leaf", "saved"])
+], ids=["leaf"])
 def test_subclass_in_the_walk_falls_back(cls, program, reason):
     Passthrough.calls = []
     eager, got, said, session = run_both(program(cls))
@@ -186,6 +185,24 @@ def test_subclass_in_the_walk_falls_back(cls, program, reason):
             loss.backward()
     with pytest.raises(gradfx.Unsupported, match=reason):
         gradfx.capture(loss)
+    assert Passthrough.calls == eager_calls == []  # gradfx read nothing through it
+
+
+@pytest.mark.parametrize("cls", [Passthrough, Raising])
+def test_a_node_that_saved_a_subclass_runs_as_itself_and_the_rest_is_captured(cls):
+    """The node runs as eager runs it (the real node, on its saved subclass); gradfx
+    reads nothing through the subclass, in a block, in strict mode and in a capture."""
+    Passthrough.calls = []
+    eager, got, said, session = run_both(subclass_saved(cls))
+    eager_calls, Passthrough.calls = Passthrough.calls, []
+    assert said == [] and session.stats["fallbacks"] == 0 and session.stats["captures"] == 1
+    assert_equal(eager, got)
+    loss, _ = subclass_saved(cls)()
+    with gradfx.compiled_autograd("eager", strict=True) as strict:
+        loss.backward()
+    assert strict.stats["captures"] + strict.stats["cache_hits"] == 1
+    loss, _ = subclass_saved(cls)()
+    assert [label.split(" ")[0] for label in gradfx.capture(loss).opaque_nodes] == ["MulBackward0"]
     assert Passthrough.calls == eager_calls == []  # gradfx read nothing through it
 
 
@@ -277,7 +294,8 @@ def test_nested_tensor_falls_back():
                                        ("grad", Passthrough)])  # backward() reads a gradient's size
 def test_cache_hit_walker_does_not_serve_a_subclass(where, cls):
     """A plain capture, then the same structure with a subclass: the generated walker
-    hands it to the generic walk, which falls back; a plain one after hits the cache."""
+    hands it to the generic walk, which falls back (a node that saved it: which captures
+    the node to run as itself); a plain one after hits the cache."""
     def program(sub):
         torch.manual_seed(0)
         a = torch.Tensor._make_subclass(sub if where in ("leaf", "saved") else torch.Tensor, torch.randn(3, 4),
@@ -303,8 +321,11 @@ def test_cache_hit_walker_does_not_serve_a_subclass(where, cls):
         assert_equal(eager, [plain_read(t) for t in tensors])
     assert results["plain"][0]["captures"] == 1
     stats, said = results["subclass"]
-    assert stats["fallbacks"] == 1 and stats["cache_hits"] == stats["captures"] == 0
-    assert len(said) == 1 and f"a tensor subclass ({cls.__name__})" in said[0]
+    if where == "saved":
+        assert stats["fallbacks"] == stats["cache_hits"] == 0 and stats["captures"] == 1 and said == []
+    else:
+        assert stats["fallbacks"] == 1 and stats["cache_hits"] == stats["captures"] == 0
+        assert len(said) == 1 and f"a tensor subclass ({cls.__name__})" in said[0]
     assert results["plain again"][0]["cache_hits"] == 1 and results["plain again"][1] == []
 
 

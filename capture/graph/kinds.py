@@ -31,7 +31,8 @@ from ..errors import _Fallback
 from .functions import promised_traceable
 from . import hidden, hooks, regions
 from .run_real import RUN_REAL
-from .saved import ForeignHooks, ForeignOwned, Origin, Untouched, readable, take_saved, unreadable
+from .saved import (ForeignHooks, ForeignOwned, Origin, SubclassSaved, Untouched, leave_to_node, readable,
+                    subclass_saved, take_saved, unreadable)
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
@@ -209,6 +210,7 @@ class NodeRecord:
     values: dict = field(default_factory=dict)  # saved size attribute -> (start in sizes, layout)
     saved: tuple = ()  # input positions of its saved tensors
     hidden: object = None  # its hidden state as keyed (graph.hidden), None: it runs as itself
+    subclass: str | None = None  # a builtin node run as itself for the tensor subclasses it saved
 
 
 class Walk:
@@ -410,6 +412,14 @@ def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> bool:
     except ForeignHooks:
         w.key.append(OPAQUE)
         w.owned[i] = ForeignOwned(node)  # released after the backward as the engine would
+        return False
+    except SubclassSaved as found:
+        # The node runs as itself, on its saved subclass tensors; what it hands on is
+        # checked where a traced formula takes it (a subclass gradient stops the graph
+        # there, and the rest of the backward runs node by node: run.continuation).
+        w.key.append((OPAQUE, found.types))
+        w.owned[i] = leave_to_node(node, info.raw_saved)
+        rec.subclass = str(found)
         return False
     w.owned[i] = owned
     w.key.append(mask)
@@ -676,6 +686,10 @@ class TracedKind:
             emit_hidden(src, i, call.records[i])
         if type(call.owned[i]) is ForeignOwned:  # under the user's saved-tensor hooks: opaque
             src.bail_unless(f"foreign_hooks(n{i}, {src.const(info.raw_saved)})")
+        elif type(call.owned[i]) is Untouched:  # tensor subclasses saved: opaque
+            types = subclass_saved(node, info.saved_tensors)
+            src.bail_unless(f"not foreign_hooks(n{i}, {src.const(info.raw_saved)}) and "
+                            f"subclass_saved(n{i}, {src.const(info.saved_tensors)}) == {src.const(types)}")
         elif info.raw_saved:
             emit_saved_check(src, i, node, info, call)
         src.hook_lists[i] = emit_hooks(src, i, call.records[i], None)
@@ -683,6 +697,8 @@ class TracedKind:
     def take(self, src, i, node, info, call) -> None:
         if type(call.owned[i]) is ForeignOwned:
             src.emit(f"owned[{i}] = ForeignOwned(n{i})")
+        elif type(call.owned[i]) is Untouched:
+            src.emit(f"owned[{i}] = leave_to_node(n{i}, {src.const(info.raw_saved)})")
         elif info.raw_saved:
             emit_saved_take(src, i, node, info, call)
 

@@ -302,6 +302,38 @@ class ForeignHooks(Exception):
     """A saved variable of this node carries the user's saved-tensor hooks."""
 
 
+class SubclassSaved(Exception):
+    """A saved tensor of this node is a tensor subclass: the node runs as itself, its saved
+    variables left to it (``Untouched``); ``types`` are the saved values' types."""
+
+    def __init__(self, types: tuple):
+        super().__init__(", ".join(sorted({t.__name__ for t in types if t is not None and t is not torch.Tensor})))
+        self.types = types
+
+
+def subclass_saved(node, tensor_attrs: tuple):
+    """The types of the node's saved values (None for an undefined one) if one is a tensor
+    subclass, else None: what take_saved raises SubclassSaved with (reading ``type()``
+    runs no user code)."""
+    types = []
+    for attr in tensor_attrs:
+        values = getattr(node, attr)
+        for value in (values if type(values) is tuple else (values,)):
+            types.append(None if value is None else type(value))
+    if all(t is None or t is torch.Tensor or t is torch.nn.Parameter for t in types):
+        return None
+    return tuple(types)
+
+
+def leave_to_node(node, raw_attrs: tuple) -> Untouched:
+    """An owner that leaves the node's saved variables to it and releases them as eager."""
+    variables = []
+    for attr in raw_attrs:
+        raw = getattr(node, attr)
+        variables.extend(raw if type(raw) is tuple else (raw,))
+    return Untouched(tuple(variables))
+
+
 def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     """Own the saved tensors of ``node``: (SavedTensors, defined-mask, tensors).
 
@@ -310,8 +342,8 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     ``_saved_*`` ones.  Undefined (None) saved tensors are ``False`` in the mask;
     ``tensors`` are the defined ones as the node unpacks them.  Raises eager's own
     RuntimeError if the saved tensors were freed or modified in place,
-    ForeignHooks if the user's saved-tensor hooks own them, _Fallback if one is a
-    subclass (before any is taken: sealing reads their versions).
+    ForeignHooks if the user's saved-tensor hooks own them, SubclassSaved if one is a
+    tensor subclass (before any is taken: sealing reads their versions).
     """
     owned = SavedTensors()
     mask = []
@@ -328,6 +360,9 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     # place since it was saved (and raises eager's error); once hooks are registered
     # the engine no longer checks.  Every variable is checked before any is taken: a
     # failing check leaves the node as it was, and the next backward raises again.
+    types = subclass_saved(node, tensor_attrs)
+    if types is not None:
+        raise SubclassSaved(types)
     unpacked = [getattr(node, attr) for attr in tensor_attrs]
     for values in unpacked:
         for value in (values if type(values) is tuple else (values,)):

@@ -317,6 +317,11 @@ class Session:
                                              symbolic=cache.dynamic_positions.get(structure, ())))
         else:
             explain.log_structure_miss(call)
+        subclassed = [i for i, rec in enumerate(call.records) if rec.subclass]
+        if subclassed:
+            log.info("gradfx: %d nodes run as themselves, on the tensor subclasses they saved (%s): %s",
+                     len(subclassed), "; ".join(sorted({call.records[i].subclass for i in subclassed})),
+                     ", ".join(call.node_label(i) for i in subclassed[:8]) + (", ..." if len(subclassed) > 8 else ""))
         learner = Learner(base, unpacked, cache.learn)
         made = pipeline.capture_call(call, self._dynamic_positions(call, structure), self.passes,
                                      names=self.names, grad_inputs=grad_inputs, assumed_none=assumed,
@@ -473,8 +478,8 @@ class Session:
                     "graph was traced for; the rest of this backward runs node by node",
                     call.node_label(frontier.node))
         else:
-            log.log(level, "gradfx: %s gets None where the graph traced a gradient, or a gradient "
-                    "where it traced None; the rest of this backward runs node by node",
+            log.log(level, "gradfx: %s gets None or a tensor subclass where the graph traced a plain "
+                    "gradient, or a gradient where it traced None; the rest of this backward runs node by node",
                     call.node_label(frontier.node))
         out = continuation.finish(call, frontier, stop, keep_graph, kept, entry.learner)
         # The next backward of this structure takes (or captures) the graph traced

@@ -508,11 +508,12 @@ class UnpackedOtherwise(Diverged):
 
 def require_gradients(grads: tuple, defined: tuple, none: tuple, frontier: int, carry: tuple) -> tuple:
     """The gradients of a traced formula, some from opaque calls: passed through if those
-    at ``defined`` are tensors and those at ``none`` are None, as the graph was traced;
-    else the graph stops here (Diverged), handing over ``carry``, what the rest of the
-    backward needs."""
+    at ``defined`` are plain tensors and those at ``none`` are None, as the graph was
+    traced; else (None, or a tensor subclass, which the formula was not traced for) the
+    graph stops here (Diverged), handing over ``carry``, what the rest of the backward
+    needs."""
     for k in defined:
-        if grads[k] is None:
+        if type(grads[k]) is not torch.Tensor:
             raise Diverged(frontier, grads, carry)
     for k in none:
         if grads[k] is not None:

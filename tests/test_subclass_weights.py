@@ -1,0 +1,179 @@
+"""A frozen weight that is a tensor subclass (a scaled int8 weight, as QLoRA's and
+float8's wrapper subclasses are) under trainable LoRA adapters: the nodes that saved the
+subclass run as themselves, the rest of the backward is captured, and gradients and
+hook calls are eager's bitwise.  A gradient that turns out a subclass where the graph
+traced a plain tensor stops the graph there; the rest runs node by node."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import return_and_correct_aliasing
+from torch.utils._pytree import tree_map
+
+import gradfx
+
+aten = torch.ops.aten
+
+
+class Int8Weight(torch.Tensor):
+    """int8 data and a per-row scale; matmuls dequantize, views (``t``, ``detach``) stay
+    int8 (``transposed``: the data is the original's transpose)."""
+
+    @staticmethod
+    def __new__(cls, data, scale, transposed=False):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=scale.dtype, device=data.device)
+
+    def __init__(self, data, scale, transposed=False):
+        self.data8 = data
+        self.scale = scale
+        self.transposed = transposed
+
+    @classmethod
+    def quantize(cls, w):
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        return cls(torch.round(w / scale).to(torch.int8), scale)
+
+    def dequantize(self):
+        if self.transposed:
+            return (self.data8.t().to(self.scale.dtype) * self.scale).t()
+        return self.data8.to(self.scale.dtype) * self.scale
+
+    def __tensor_flatten__(self):
+        return ["data8", "scale"], self.transposed
+
+    @staticmethod
+    def __tensor_unflatten__(inner, transposed, outer_size, outer_stride):
+        return Int8Weight(inner["data8"], inner["scale"], transposed)
+
+    def __repr__(self):
+        return f"Int8Weight({tuple(self.shape)}, transposed={self.transposed})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default, aten.t.default):
+            w = args[0]
+            if func is aten.t.default:
+                out = Int8Weight(w.data8.t(), w.scale, not w.transposed)
+            else:
+                out = Int8Weight(w.data8, w.scale, w.transposed)
+            return return_and_correct_aliasing(func, args, kwargs, out)
+        plain = tree_map(lambda a: a.dequantize() if isinstance(a, Int8Weight) else a, args)
+        return func(*plain, **kwargs)
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, d_in, d_out, rank=4):
+        super().__init__()
+        self.weight = Int8Weight.quantize(torch.randn(d_out, d_in) / d_in ** 0.5)  # frozen, not a Parameter
+        self.a = nn.Parameter(torch.randn(rank, d_in) / d_in ** 0.5)
+        self.b = nn.Parameter(torch.randn(d_out, rank) / rank)
+
+    def forward(self, x):
+        return F.linear(x, self.weight) + F.linear(F.linear(x, self.a), self.b)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(LoRALinear(16, 32), nn.GELU(), nn.LayerNorm(32), LoRALinear(32, 8))
+
+
+def _step(model, x, log):
+    for name, p in model.named_parameters():
+        p.grad = None
+    out = model(x)
+    out.register_hook(lambda g: log.append(("out", g.clone())))
+    return out.square().mean()
+
+
+def _run(model, backend, steps=3):
+    log = []
+    grads = []
+    for k in range(steps):
+        torch.manual_seed(10 + k)
+        x = torch.randn(4, 16, requires_grad=True)
+        loss = _step(model, x, log)
+        if backend is None:
+            loss.backward()
+        else:
+            with gradfx.compiled_autograd(backend):
+                loss.backward()
+        grads.append([x.grad] + [p.grad for p in model.parameters()])
+    return grads, log
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_frozen_subclass_weight_is_captured_around(backend, caplog):
+    model = _model()
+    expected, expected_log = _run(model, None)
+    gradfx.reset()
+    with caplog.at_level(logging.INFO, logger="gradfx"):
+        got, got_log = _run(model, backend)
+    same = torch.equal if backend == "eager" else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    for want, have in zip(expected, got):
+        assert all(same(a, b) for a, b in zip(want, have))
+    assert len(got_log) == len(expected_log) and all(same(a[1], b[1]) for a, b in zip(expected_log, got_log))
+    stats = gradfx.stats()
+    assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == 2, stats
+    said = [r.getMessage() for r in caplog.records if "tensor subclasses they saved" in r.getMessage()]
+    assert len(said) == 1 and "Int8Weight" in said[0], said
+
+
+def test_captured_graph_runs_only_those_nodes_as_themselves():
+    model = _model()
+    x = torch.randn(4, 16, requires_grad=True)
+    graph = gradfx.capture(model(x).square().mean())
+    opaque = graph.opaque_nodes
+    assert len(opaque) == 2 and all(label.startswith("MmBackward0") or "mm" in label.lower() for label in opaque), \
+        opaque
+
+
+_HAND_BACK = {"subclass": False}
+
+
+class _SubclassGrad(torch.autograd.Function):
+    """Hands its gradient back as the subclass when told to (a plain tensor otherwise)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        q = Int8Weight.quantize(g)
+        return q if _HAND_BACK["subclass"] else q.dequantize()
+
+
+def test_a_subclass_gradient_stops_the_graph_and_the_rest_runs_as_eager(caplog):
+    """Captured while the custom backward hands back plain tensors; then it hands back the
+    subclass, which the traced formula after it (x * 3's) was not traced for: the graph
+    stops there and the rest runs node by node, as eager would run it."""
+    w = Int8Weight.quantize(torch.randn(8, 6))
+    x = torch.randn(3, 6, requires_grad=True)
+
+    def backward(subclass, under_gradfx):
+        _HAND_BACK["subclass"] = subclass
+        x.grad = None
+        loss = F.linear(_SubclassGrad.apply(x * 3), w).square().sum()
+        if under_gradfx:
+            with gradfx.compiled_autograd():
+                loss.backward()
+        else:
+            loss.backward()
+        return x.grad
+
+    gradfx.reset()
+    try:
+        backward(False, True)  # the capture: a plain gradient
+        with caplog.at_level(logging.INFO, logger="gradfx"):
+            got = backward(True, True)
+        expected = backward(True, False)
+    finally:
+        _HAND_BACK["subclass"] = False
+    assert type(got) is torch.Tensor and torch.equal(got, expected)
+    assert any("tensor subclass where the graph traced a plain gradient" in r.getMessage() for r in caplog.records)
+    stats = gradfx.stats()
+    assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == 1, stats
