@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.function import BackwardCFunction
+from torch.overrides import has_torch_function_unary
 
 from .. import native
 from ..errors import _Fallback
@@ -609,6 +610,23 @@ def emit_hooks(src, i: int, rec: NodeRecord, var: str | None) -> str | None:
     return f"h{i}"
 
 
+# -- nodes a tensor subclass reaches ------------------------------------------------
+
+SUBCLASS_GRADS = "gradients of a tensor subclass"
+
+
+def subclass_grads(node) -> bool:
+    """Does the node take a tensor subclass's gradient?  Its input metadata says so, which
+    only the compiled part reads (without it: False, and a subclass gradient that reaches
+    a traced formula stops the graph there at run time)."""
+    reader = native.module()
+    return reader is not None and reader.subclass_inputs(node)
+
+
+def _plain_type(t) -> bool:
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
 # -- the kinds ----------------------------------------------------------------------
 
 class AccumulateKind:
@@ -618,6 +636,11 @@ class AccumulateKind:
 
     def walk(self, w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> str:
         var = node.variable
+        if not _plain_type(var) and not has_torch_function_unary(var):
+            # A dispatch subclass (DTensor): its accumulator runs as itself.  One with a
+            # __torch_function__ (ExpandedWeight) would run it on every read of the leaf
+            # (its hooks): w.tensor refuses it, and the backward falls back.
+            return self.walk_subclass(w, rec, i, node, var)
         # An accumulator's one input has the leaf's shape and dtype: its metadata is
         # the leaf's own, so the leaf's sizes serve as the metadata's.
         rec.meta_start = len(w.sizes)
@@ -629,7 +652,24 @@ class AccumulateKind:
         walk_hooks(w, rec, i, node, var)
         return ACCUMULATE
 
+    def walk_subclass(self, w: Walk, rec: NodeRecord, i: int, node, var) -> str:
+        """A leaf that is a tensor subclass (DTensor, ExpandedWeight): the accumulator runs
+        as itself (the real node accumulates and calls the post-accumulate-grad hooks); its
+        shape is read off its input metadata, nothing through the leaf but its type."""
+        walk_metas(w, rec, node)
+        w.key.append((OPAQUE, type(var)))
+        rec.subclass = f"a tensor subclass ({type(var).__name__}) as the leaf"
+        rec.node_input = w.add_input(node, "node", i)
+        walk_hooks(w, rec, i, node, var)
+        return OPAQUE
+
     def check(self, src, i, node, info, call) -> None:
+        if call.records[i].kind is OPAQUE:  # a subclass leaf: its accumulator runs as itself
+            emit_metas(src, f"n{i}", node)
+            src.emit(f"v{i} = n{i}.variable")
+            src.bail_unless(f"type(v{i}) is {src.const(type(node.variable))}")
+            src.hook_lists[i] = emit_hooks(src, i, call.records[i], f"v{i}")
+            return
         v = node.variable
         if native.module() is not None and v.device.type != "cuda":  # the reads below in one C++ call
             expected = ((type(v), v.dim(), v.dtype, v.layout, v.device, v.is_contiguous()), v.requires_grad,
@@ -657,7 +697,7 @@ class AccumulateKind:
         pass
 
     def inputs(self, src, i, call) -> list:
-        return [f"v{i}"]
+        return [f"n{i}"] if call.records[i].kind is OPAQUE else [f"v{i}"]
 
 
 class TracedKind:
@@ -671,7 +711,15 @@ class TracedKind:
         if info.hidden:
             walk_hidden(w, rec, node)
         kind = TRACED
-        if info.raw_saved and not walk_saved(w, rec, i, node, info):
+        if subclass_grads(node):
+            # Gradients of a tensor subclass (DTensor's, under tensor parallelism): the
+            # node runs as itself, its saved tensors left to it.
+            w.key.append((OPAQUE, SUBCLASS_GRADS))
+            if info.raw_saved:
+                w.owned[i] = leave_to_node(node, info.raw_saved)
+            rec.subclass = SUBCLASS_GRADS
+            kind = OPAQUE
+        elif info.raw_saved and not walk_saved(w, rec, i, node, info):
             kind = OPAQUE
         # The node itself is an input too: it runs opaquely if it cannot be traced on
         # fake tensors (and a placeholder nobody uses costs nothing).
@@ -684,7 +732,9 @@ class TracedKind:
         emit_values(src, f"n{i}", node, info)
         if info.hidden:
             emit_hidden(src, i, call.records[i])
-        if type(call.owned[i]) is ForeignOwned:  # under the user's saved-tensor hooks: opaque
+        if call.records[i].subclass == SUBCLASS_GRADS:
+            src.bail_unless(f"subclass_grads(n{i})")
+        elif type(call.owned[i]) is ForeignOwned:  # under the user's saved-tensor hooks: opaque
             src.bail_unless(f"foreign_hooks(n{i}, {src.const(info.raw_saved)})")
         elif type(call.owned[i]) is Untouched:  # tensor subclasses saved: opaque
             types = subclass_saved(node, info.saved_tensors)

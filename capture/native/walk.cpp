@@ -255,6 +255,25 @@ PyMethodDef metas_def = {"metas", reinterpret_cast<PyCFunction>(reinterpret_cast
 PyMethodDef tensor_def = {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<tensor_tuple>)),
                           METH_FASTCALL, "emit_tensor's checks of a tensor; its sizes (strides) appended to sizes"};
 
+// Does the node take the gradient of a tensor subclass (its input metadata says so; no
+// Python binding shows it)?  Such a node runs as itself (graph.kinds).
+PyObject* subclass_inputs(PyObject* /*self*/, PyObject* object) {
+  Node* node = node_of(object);
+  if (node == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "subclass_inputs(node): expected an autograd node");
+    return nullptr;
+  }
+  for (uint32_t k = 0; k < node->num_inputs(); ++k) {
+    if (node->input_metadata(k).is_tensor_subclass()) {
+      Py_RETURN_TRUE;
+    }
+  }
+  Py_RETURN_FALSE;
+}
+
+PyMethodDef subclass_inputs_def = {"subclass_inputs", subclass_inputs, METH_O,
+                                   "does the node take a tensor subclass's gradient"};
+
 PyMethodDef leaf_def = {"leaf", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&leaf_fastcall)),
                         METH_FASTCALL, "AccumulateKind.check's reads of a leaf: the leaf, or None"};
 
@@ -290,4 +309,5 @@ void add_walk(py::module_& m) {
   m.attr("metas") = py::reinterpret_steal<py::object>(PyCFunction_New(&metas_def, nullptr));
   m.attr("tensor") = py::reinterpret_steal<py::object>(PyCFunction_New(&tensor_def, nullptr));
   m.attr("leaf") = py::reinterpret_steal<py::object>(PyCFunction_New(&leaf_def, nullptr));
+  m.attr("subclass_inputs") = py::reinterpret_steal<py::object>(PyCFunction_New(&subclass_inputs_def, nullptr));
 }

@@ -319,7 +319,7 @@ class Session:
             explain.log_structure_miss(call)
         subclassed = [i for i, rec in enumerate(call.records) if rec.subclass]
         if subclassed:
-            log.info("gradfx: %d nodes run as themselves, on the tensor subclasses they saved (%s): %s",
+            log.info("gradfx: %d nodes run as themselves, where a tensor subclass reaches them (%s): %s",
                      len(subclassed), "; ".join(sorted({call.records[i].subclass for i in subclassed})),
                      ", ".join(call.node_label(i) for i in subclassed[:8]) + (", ..." if len(subclassed) > 8 else ""))
         learner = Learner(base, unpacked, cache.learn)

@@ -166,7 +166,9 @@ def _run_body(r, state: EngineState, i: int, inputs) -> None:
         outputs = r.validate(node, outputs, edges)
     if state.should_run is not None and kinds[i] is not FUNCTION and not isinstance(node, BackwardCFunction):
         outputs = computed(node, outputs, edges, state.should_run)
-    if spec is not None and spec.post:
+    if spec is not None and spec.native_post:  # an accumulator run as itself, C++ post-hooks among its
+        r.native_post_hooks(i, inputs)
+    elif spec is not None and spec.post:
         outputs = r.post_hooks(i, spec, outputs, inputs)
     if kinds[i] is OPAQUE:
         r.release_saved(i, node)

@@ -1,0 +1,145 @@
+"""Tensor parallelism (DTensor) under gradfx, 2 gloo processes: captured, not sent to the
+eager engine, with eager's gradients bitwise and its hook calls.
+
+The nodes a DTensor reaches (a DTensor leaf's accumulator, a node taking a DTensor's
+gradient, DTensor's own Functions) run as themselves inside the captured graph; the
+rest is traced.  One spawn runs every case; each test reads its own.
+"""
+
+import os
+import socket
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+STEPS = 3
+
+
+class Block(nn.Module):
+    """Attention with separate q, k, v and output projections, then an MLP: the layout
+    torch.distributed.tensor.parallel's examples parallelize."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (proj(h).view(b, t, -1, 8).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+def _mlp(mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}), (6, 8)
+
+
+def _block(mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
+            "up": ColwiseParallel(), "down": RowwiseParallel()}
+    return parallelize_module(Block(), mesh, plan), (2, 5, 16)
+
+
+MODELS = {"mlp": _mlp, "attention_and_mlp": _block}
+
+
+def _run(build, mesh, rank, under_gradfx, backend):
+    import gradfx
+    torch.manual_seed(0)
+    model, shape = build(mesh)
+    calls = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: calls.append(name))
+    out = []
+    for it in range(STEPS):
+        torch.manual_seed(100 + it)  # the same batch on every rank: tensor parallelism
+        x = torch.randn(*shape)
+        model.zero_grad()
+        y = model(x)
+        y.register_hook(lambda g: calls.append(("out", g.sum().item())))
+        loss = y.square().mean()
+        if under_gradfx:
+            with warnings.catch_warnings():
+                # no fallback to the engine (a compiler with nothing to compile says so: allowed)
+                warnings.filterwarnings("error", message=".*on the eager engine", category=gradfx.FallbackWarning)
+                with gradfx.compiled_autograd(backend):
+                    loss.backward()
+        else:
+            loss.backward()
+        out.append([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                    for p in model.parameters()])
+    return out, calls
+
+
+def _worker(rank, world, port, results):
+    import gradfx
+    from gradfx.capture import native
+    assert native.wait() is not None, native.reason()  # a DTensor's gradients are told by it
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for name, build in MODELS.items():
+            for backend in ("eager", "aot_eager"):
+                try:
+                    eager, eager_calls = _run(build, mesh, rank, False, backend)
+                    gradfx.reset()
+                    got, got_calls = _run(build, mesh, rank, True, backend)
+                    same = torch.equal if backend == "eager" else \
+                        (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+                    results[(name, backend, rank)] = {
+                        "equal": all(same(a, b) for ws, gs in zip(eager, got) for a, b in zip(ws, gs)),
+                        "calls": eager_calls == got_calls if backend == "eager" else
+                        [c if isinstance(c, str) else c[0] for c in eager_calls] ==
+                        [c if isinstance(c, str) else c[0] for c in got_calls],
+                        "stats": gradfx.stats()}
+                except Exception:  # noqa: BLE001  (the case's test reports it)
+                    import traceback
+                    results[(name, backend, rank)] = {"error": traceback.format_exc()}
+                    raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results():
+    manager = mp.Manager()
+    shared = manager.dict()
+    mp.spawn(_worker, args=(2, _free_port(), shared), nprocs=2, join=True)
+    return dict(shared)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tensor_parallel_backward_is_captured_as_eager(results, name, backend):
+    for rank in (0, 1):
+        got = results[(name, backend, rank)]
+        assert "error" not in got, got.get("error")
+        assert got["equal"], f"rank {rank}: gradients differ from eager tensor parallelism"
+        assert got["calls"], f"rank {rank}: hooks ran otherwise than in eager"
+        stats = got["stats"]
+        assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
