@@ -162,7 +162,7 @@ def generate(call: BackwardCall, tensors, structure):
                      native_structure=_native('structure'), native_saved=_native('saved'),
                      native_leaf=_native('leaf'),
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
-                     collect=hooks.collect, hooks_active=hooks.active, retained_by_node=hooks.retained_by_node,
+                     collect=hooks.collect, hooks_active=hooks.active, leaf_hooks=hooks.leaf_hooks, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooked_mask=_accumulators_hooked)
     exec(compile(code, f"<gradfx fast walk {n} nodes>", "exec"), namespace)
     lines = namespace["fast_walk"]

@@ -262,6 +262,15 @@ def hands_on_incoming(post_hook) -> bool:
     return isinstance(owner, torch.utils.hooks.BackwardHook) and not owner.user_pre_hooks
 
 
+def leaf_hooks(variable) -> tuple:
+    """A leaf's (``_backward_hooks``, ``_post_accumulate_grad_hooks``), read without running a
+    subclass's ``__torch_function__`` (ExpandedWeight's would refuse the read)."""
+    if type(variable) is torch.Tensor or type(variable) is torch.nn.Parameter:
+        return variable._backward_hooks, variable._post_accumulate_grad_hooks
+    with torch._C.DisableTorchFunctionSubclass():
+        return variable._backward_hooks, variable._post_accumulate_grad_hooks
+
+
 def collect(node, variable, retained, active: WalkState | None) -> Found | None:
     """Every hook of ``node`` (``variable``: its leaf, for an accumulator), or None.
 
@@ -272,12 +281,13 @@ def collect(node, variable, retained, active: WalkState | None) -> Found | None:
     leaf = node if variable is not None else None  # an accumulator: its hooks' running node
     found = None
     if variable is not None:
-        if variable._backward_hooks:
+        backward, post_accumulate = leaf_hooks(variable)
+        if backward:
             found = Found(leaf)
-            found.tensor_pre.append((0, list(variable._backward_hooks.values())))
-        if variable._post_accumulate_grad_hooks:
+            found.tensor_pre.append((0, list(backward.values())))
+        if post_accumulate:
             found = found or Found(leaf)
-            found.post_accumulate = list(variable._post_accumulate_grad_hooks.values())
+            found.post_accumulate = list(post_accumulate.values())
         if distributed.initialized() and distributed.cpp_hooked(node):
             found = found or Found(leaf)
             found.native_post = True

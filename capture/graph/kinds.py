@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.function import BackwardCFunction
-from torch.overrides import has_torch_function_unary
 
 from .. import native
 from ..errors import _Fallback
@@ -586,21 +585,28 @@ def walk_hooks(w: Walk, rec: NodeRecord, i: int, node, var=None) -> None:
 NATIVE_POST_ONLY = HookSpec(native_post=True).key()
 
 
-def emit_hooks(src, i: int, rec: NodeRecord, var: str | None) -> str | None:
-    """Code that collects the node's hook inputs (a list variable) or checks it has none."""
+def emit_hooks(src, i: int, rec: NodeRecord, var: str | None, subclass: bool = False) -> str | None:
+    """Code that collects the node's hook inputs (a list variable) or checks it has none
+    (``subclass``: the leaf ``var`` is a tensor subclass, its hooks read by leaf_hooks)."""
     expected = rec.hooks.key() if rec.hooks is not None else None
     leaf = var if var is not None else "None"
     call = f"collect(n{i}, {leaf}, retained.get({i}, ()), active)"
     if expected is None:
         # The common case stays cheap: no hook anywhere, a leaf without tensor hooks.
-        quiet = "not active" if var is None else (f"(not active and {var}._backward_hooks is None "
-                                                  f"and {var}._post_accumulate_grad_hooks is None)")
+        if var is None:
+            quiet = "not active"
+        elif subclass:
+            quiet = f"(not active and leaf_hooks({var}) == (None, None))"
+        else:
+            quiet = (f"(not active and {var}._backward_hooks is None "
+                     f"and {var}._post_accumulate_grad_hooks is None)")
         src.hook_check(False, f"if not ({quiet} or {call} is None): return None")
         return None
     if var is not None and expected == NATIVE_POST_ONLY:
         # C++ post-hooks alone (DDP's reducer, the common case under DDP; the walker's mask
         # check found them): the node is the one input, unless Python hooks came since.
-        quiet = f"not active and {var}._backward_hooks is None and {var}._post_accumulate_grad_hooks is None"
+        quiet = f"not active and {var}._backward_hooks is None and {var}._post_accumulate_grad_hooks is None" \
+            if not subclass else f"not active and leaf_hooks({var}) == (None, None)"
         src.hook_check(True, f"if {quiet}:", f"    h{i} = [n{i}]", "else:", f"    h = {call}",
                        f"    if not (h is not None and h.key() == {src.const(expected)}): return None",
                        f"    h{i} = h.inputs()")
@@ -636,10 +642,10 @@ class AccumulateKind:
 
     def walk(self, w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> str:
         var = node.variable
-        if not _plain_type(var) and not has_torch_function_unary(var):
-            # A dispatch subclass (DTensor): its accumulator runs as itself.  One with a
-            # __torch_function__ (ExpandedWeight) would run it on every read of the leaf
-            # (its hooks): w.tensor refuses it, and the backward falls back.
+        if not _plain_type(var):
+            # A subclass (DTensor, ExpandedWeight): its accumulator runs as itself, and
+            # nothing is read through the leaf but its type and hooks (those without its
+            # __torch_function__: hooks.leaf_hooks).
             return self.walk_subclass(w, rec, i, node, var)
         # An accumulator's one input has the leaf's shape and dtype: its metadata is
         # the leaf's own, so the leaf's sizes serve as the metadata's.
@@ -668,7 +674,7 @@ class AccumulateKind:
             emit_metas(src, f"n{i}", node)
             src.emit(f"v{i} = n{i}.variable")
             src.bail_unless(f"type(v{i}) is {src.const(type(node.variable))}")
-            src.hook_lists[i] = emit_hooks(src, i, call.records[i], f"v{i}")
+            src.hook_lists[i] = emit_hooks(src, i, call.records[i], f"v{i}", subclass=True)
             return
         v = node.variable
         if native.module() is not None and v.device.type != "cuda":  # the reads below in one C++ call
