@@ -1,5 +1,6 @@
-"""Tensor parallelism (DTensor) under gradfx, 2 gloo processes: captured, not sent to the
-eager engine, with eager's gradients bitwise and its hook calls.
+"""Tensor parallelism (DTensor) under gradfx, 2 gloo processes (4 for TP inside FSDP2):
+captured, not sent to the eager engine, with eager's gradients bitwise and its hook
+calls.
 
 The nodes a DTensor reaches (a DTensor leaf's accumulator, a node taking a DTensor's
 gradient, DTensor's own Functions) run as themselves inside the captured graph; the
@@ -141,5 +142,56 @@ def test_tensor_parallel_backward_is_captured_as_eager(results, name, backend):
         assert "error" not in got, got.get("error")
         assert got["equal"], f"rank {rank}: gradients differ from eager tensor parallelism"
         assert got["calls"], f"rank {rank}: hooks ran otherwise than in eager"
+        stats = got["stats"]
+        assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
+
+
+# -- 2-D: tensor parallelism inside FSDP2, 4 ranks on a 2 x 2 mesh ---------------------
+
+def _worker_2d(rank, world, port, results):
+    import gradfx
+    from gradfx.capture import native
+    assert native.wait() is not None, native.reason()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+        def build():
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            m = parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            fully_shard(m, mesh=mesh["dp"])
+            return m
+        eager, under = build(), build()
+        equal = True
+        for it in range(STEPS):
+            torch.manual_seed(10 * mesh["dp"].get_local_rank() + it)  # a batch per data-parallel rank
+            x = torch.randn(3, 8)
+            eager.zero_grad()
+            eager(x).sum().backward()
+            under.zero_grad()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*on the eager engine", category=gradfx.FallbackWarning)
+                with gradfx.compiled_autograd():
+                    under(x).sum().backward()
+            equal &= all(torch.equal(a.grad.to_local(), b.grad.to_local())
+                         for a, b in zip(eager.parameters(), under.parameters()))
+        results[rank] = {"equal": equal, "stats": gradfx.stats()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_inside_fsdp2_is_captured_as_eager():
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_worker_2d, args=(4, _free_port(), results), nprocs=4, join=True)
+    for rank in range(4):
+        got = results[rank]
+        assert got["equal"], f"rank {rank}: gradients differ from eager TP inside FSDP2"
         stats = got["stats"]
         assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
