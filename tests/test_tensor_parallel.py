@@ -62,7 +62,58 @@ def _mlp_new_batch_sizes(mesh):
     return model, lambda it: (3 + 2 * it, 8)  # dynamic="auto": the second size recaptures, symbolic
 
 
-MODELS = {"mlp": _mlp, "attention_and_mlp": _block, "mlp_new_batch_sizes": _mlp_new_batch_sizes}
+class _Attention(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, h):
+        b, t, _ = h.shape
+        q, k, v = (proj(h).view(b, t, -1, 8).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, h):
+        return self.down(F.gelu(self.up(h)))
+
+
+class SPBlock(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm1, self.norm2, self.attention, self.mlp = nn.LayerNorm(d), nn.LayerNorm(d), _Attention(d), _MLP(d)
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def _sequence_parallel(mesh):
+    """Sequence parallelism on the norms (activations sharded on the sequence between the
+    parallel regions), the recipe torch.distributed.tensor.parallel documents."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {"": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)),
+            "norm1": SequenceParallel(), "norm2": SequenceParallel(),
+            "attention": gather, "mlp": gather,
+            "attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(), "attention.v": ColwiseParallel(),
+            "attention.o": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+    model = parallelize_module(SPBlock(), mesh, plan)
+    parallelize_module(model, mesh, PrepareModuleOutput(output_layouts=(Shard(1),),
+                                                         desired_output_layouts=(Replicate(),),
+                                                         use_local_output=True))
+    return model, (2, 6, 16)
+
+
+MODELS = {"mlp": _mlp, "sequence_parallel_norms": _sequence_parallel, "attention_and_mlp": _block, "mlp_new_batch_sizes": _mlp_new_batch_sizes}
 
 
 def _run(build, mesh, rank, under_gradfx, backend):
