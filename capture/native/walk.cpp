@@ -130,8 +130,10 @@ bool gradfx_native::metas(Node* node, const MetaSpec* specs, size_t count, std::
   }
   for (size_t k = 0; k < count; ++k) {
     const auto& meta = node->input_metadata(k);
-    if (meta.was_default_constructed() || meta.is_nested_tensor() || meta.is_tensor_subclass()) {
-      return false;  // shapes Python reads otherwise: the generic walk decides
+    // A nested tensor's shape Python reads otherwise: the generic walk decides.  A tensor
+    // subclass's (DTensor's) outer sizes are read alike: the node runs as itself.
+    if (meta.was_default_constructed() || meta.is_nested_tensor()) {
+      return false;
     }
     if (specs[k].dtype != meta.dtype().toScalarType() || specs[k].device != meta.device()) {
       return false;
