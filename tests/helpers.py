@@ -170,3 +170,17 @@ def run_both(build, iterations=3, expect_captures=1, **kwargs):
     return eager_log
 
 
+
+
+def spawn_ranks(worker, world: int, *args) -> dict:
+    """``worker(rank, world, port, *args, results)`` in ``world`` processes on a free loopback
+    port (torch.multiprocessing.spawn); what the ranks put in ``results``, as a dict."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(worker, args=(world, port, *args, results), nprocs=world, join=True)
+    return dict(results)

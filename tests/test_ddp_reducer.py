@@ -14,15 +14,14 @@ under gradfx, and on every step and rank:
 """
 
 import os
-import socket
 import warnings
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from helpers import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -162,18 +161,9 @@ def _worker(rank, world, port, results):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results():
-    manager = mp.Manager()
-    shared = manager.dict()
-    mp.spawn(_worker, args=(2, _free_port(), shared), nprocs=2, join=True)
-    return dict(shared)
+    return spawn_ranks(_worker, 2)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -6,23 +6,16 @@ test_ddp_reducer has them captured); with the Python reducer its hooks are captu
 """
 
 import os
-import socket
 import warnings
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from helpers import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compare_steps(rank, eager_model, gfx_model, full, steps=3) -> dict:
@@ -73,10 +66,7 @@ def _worker(rank, world, port, python_reducer, results):
 
 
 def _run(python_reducer):
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_worker, args=(2, _free_port(), python_reducer, results), nprocs=2, join=True)
-    return dict(results)
+    return spawn_ranks(_worker, 2, python_reducer)
 
 
 def test_ddp_cpp_reducer_without_the_compiled_part_is_detected_and_falls_back():
@@ -119,9 +109,7 @@ def _fsdp_worker(rank, world, port, results):
 
 
 def test_fsdp2_gradients_equal_eager():
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+    results = spawn_ranks(_fsdp_worker, 2)
     for rank in (0, 1):
         assert results[rank]["equal"], dict(results)
         assert results[rank]["stats"]["fallbacks"] == 0, dict(results)

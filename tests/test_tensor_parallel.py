@@ -8,16 +8,15 @@ rest is traced.  One spawn runs every case; each test reads its own.
 """
 
 import os
-import socket
 import warnings
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -176,18 +175,9 @@ def _worker(rank, world, port, results):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results():
-    manager = mp.Manager()
-    shared = manager.dict()
-    mp.spawn(_worker, args=(2, _free_port(), shared), nprocs=2, join=True)
-    return dict(shared)
+    return spawn_ranks(_worker, 2)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -245,9 +235,7 @@ def _worker_2d(rank, world, port, results):
 
 
 def test_tensor_parallel_inside_fsdp2_is_captured_as_eager():
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_worker_2d, args=(4, _free_port(), results), nprocs=4, join=True)
+    results = spawn_ranks(_worker_2d, 4)
     for rank in range(4):
         got = results[rank]
         assert got["equal"], f"rank {rank}: gradients differ from eager TP inside FSDP2"
