@@ -300,7 +300,6 @@ def _edge_metas(node, defined: list) -> tuple:
 # -- the rewrite --------------------------------------------------------------------
 
 HOOK_CALLS = hook_ops.HOOK_CALLS
-_SEEN_BY_HOOKS = HOOK_CALLS | {hook_ops.call_node_post_hooks}
 
 
 def _seen_by_python(grad: fx.Node) -> bool:
@@ -309,7 +308,7 @@ def _seen_by_python(grad: fx.Node) -> bool:
     source = grad.args[0] if grad.op == "call_function" and grad.target is operator.getitem else grad
     if source.op == "call_function" and source.target in HOOK_CALLS:
         return True
-    return any(u.op == "call_function" and u.target in _SEEN_BY_HOOKS for u in grad.users)
+    return any(u.op == "call_function" and u.target in HOOK_CALLS for u in grad.users)
 
 
 class Adapter:
@@ -421,7 +420,7 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
                 adapter.contexts.append(position[node.args[0]])
         elif node.target is runtime_ops.call_node:
             _as_custom_op(graph, node, adapter, position, example_inputs[position[node.args[0]]])
-        elif node.target is hook_ops.call_node_post_hooks:
+        elif node.target is hook_ops.call_node_post_hooks:  # before the other hook calls: it takes a live node
             python_reads = True  # DDP's reducer reads `.grad`
             _as_post_hooks_op(graph, node, adapter, position)
         elif isinstance(node.target, runtime_ops.NodeUnpacking):

@@ -38,7 +38,7 @@ from torch.overrides import has_torch_function_unary
 
 from ..torch_releases import node_token
 from . import distributed
-from .saved import unreadable
+from .saved import plain_type, unreadable
 
 
 @dataclass
@@ -265,7 +265,7 @@ def hands_on_incoming(post_hook) -> bool:
 def leaf_hooks(variable) -> tuple:
     """A leaf's (``_backward_hooks``, ``_post_accumulate_grad_hooks``), read without running a
     subclass's ``__torch_function__`` (ExpandedWeight's would refuse the read)."""
-    if type(variable) is torch.Tensor or type(variable) is torch.nn.Parameter:
+    if plain_type(type(variable)):
         return variable._backward_hooks, variable._post_accumulate_grad_hooks
     with torch._C.DisableTorchFunctionSubclass():
         return variable._backward_hooks, variable._post_accumulate_grad_hooks

@@ -31,8 +31,8 @@ from ..errors import _Fallback
 from .functions import promised_traceable
 from . import hidden, hooks, regions
 from .run_real import RUN_REAL
-from .saved import (ForeignHooks, ForeignOwned, Origin, SubclassSaved, Untouched, leave_to_node, readable,
-                    subclass_saved, take_saved, unreadable)
+from .saved import (ForeignHooks, ForeignOwned, Origin, SubclassSaved, Untouched, leave_to_node, plain_type,
+                    readable, subclass_saved, take_saved, unreadable)
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
@@ -210,7 +210,7 @@ class NodeRecord:
     values: dict = field(default_factory=dict)  # saved size attribute -> (start in sizes, layout)
     saved: tuple = ()  # input positions of its saved tensors
     hidden: object = None  # its hidden state as keyed (graph.hidden), None: it runs as itself
-    subclass: str | None = None  # a builtin node run as itself for the tensor subclasses it saved
+    subclass: str | None = None  # why it runs as itself where a tensor subclass reaches it, or None
 
 
 class Walk:
@@ -591,22 +591,19 @@ def emit_hooks(src, i: int, rec: NodeRecord, var: str | None, subclass: bool = F
     expected = rec.hooks.key() if rec.hooks is not None else None
     leaf = var if var is not None else "None"
     call = f"collect(n{i}, {leaf}, retained.get({i}, ()), active)"
+    # No hook anywhere and a leaf without tensor hooks: the common case stays cheap.
+    if var is None:
+        quiet = "not active"
+    elif subclass:
+        quiet = f"(not active and leaf_hooks({var}) == (None, None))"
+    else:
+        quiet = f"(not active and {var}._backward_hooks is None and {var}._post_accumulate_grad_hooks is None)"
     if expected is None:
-        # The common case stays cheap: no hook anywhere, a leaf without tensor hooks.
-        if var is None:
-            quiet = "not active"
-        elif subclass:
-            quiet = f"(not active and leaf_hooks({var}) == (None, None))"
-        else:
-            quiet = (f"(not active and {var}._backward_hooks is None "
-                     f"and {var}._post_accumulate_grad_hooks is None)")
         src.hook_check(False, f"if not ({quiet} or {call} is None): return None")
         return None
     if var is not None and expected == NATIVE_POST_ONLY:
         # C++ post-hooks alone (DDP's reducer, the common case under DDP; the walker's mask
         # check found them): the node is the one input, unless Python hooks came since.
-        quiet = f"not active and {var}._backward_hooks is None and {var}._post_accumulate_grad_hooks is None" \
-            if not subclass else f"not active and leaf_hooks({var}) == (None, None)"
         src.hook_check(True, f"if {quiet}:", f"    h{i} = [n{i}]", "else:", f"    h = {call}",
                        f"    if not (h is not None and h.key() == {src.const(expected)}): return None",
                        f"    h{i} = h.inputs()")
@@ -629,10 +626,6 @@ def subclass_grads(node) -> bool:
     return reader is not None and reader.subclass_inputs(node)
 
 
-def _plain_type(t) -> bool:
-    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
-
-
 # -- the kinds ----------------------------------------------------------------------
 
 class AccumulateKind:
@@ -642,7 +635,7 @@ class AccumulateKind:
 
     def walk(self, w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> str:
         var = node.variable
-        if not _plain_type(var):
+        if not plain_type(type(var)):
             # A subclass (DTensor, ExpandedWeight): its accumulator runs as itself, and
             # nothing is read through the leaf but its type and hooks (those without its
             # __torch_function__: hooks.leaf_hooks).

@@ -43,6 +43,11 @@ FREED_MESSAGE = (
 )
 
 
+def plain_type(tp) -> bool:
+    """Is ``tp`` a plain tensor's type (Tensor or Parameter), not a subclass's?"""
+    return tp is torch.Tensor or tp is torch.nn.Parameter
+
+
 def readable(t, role: str, node=None):
     """``t``, if the walk can read it without running user code; else raise _Fallback.
 
@@ -50,7 +55,7 @@ def readable(t, role: str, node=None):
     its own properties).  ``role`` and ``node`` say where ``t`` was met, for the reason.
     """
     tp = type(t)
-    if tp is torch.Tensor or tp is torch.nn.Parameter:
+    if plain_type(tp):
         return t
     raise unreadable(f"a tensor subclass ({tp.__name__})", role, node)
 
@@ -313,14 +318,17 @@ class SubclassSaved(Exception):
 
 def subclass_saved(node, tensor_attrs: tuple):
     """The types of the node's saved values (None for an undefined one) if one is a tensor
-    subclass, else None: what take_saved raises SubclassSaved with (reading ``type()``
-    runs no user code)."""
+    subclass, else None: what take_saved raises SubclassSaved with."""
+    return _subclass_types([getattr(node, attr) for attr in tensor_attrs])
+
+
+def _subclass_types(unpacked: list):
+    """:func:`subclass_saved` of the values unpacked (reading ``type()`` runs no user code)."""
     types = []
-    for attr in tensor_attrs:
-        values = getattr(node, attr)
+    for values in unpacked:
         for value in (values if type(values) is tuple else (values,)):
             types.append(None if value is None else type(value))
-    if all(t is None or t is torch.Tensor or t is torch.nn.Parameter for t in types):
+    if all(t is None or plain_type(t) for t in types):
         return None
     return tuple(types)
 
@@ -360,10 +368,10 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     # place since it was saved (and raises eager's error); once hooks are registered
     # the engine no longer checks.  Every variable is checked before any is taken: a
     # failing check leaves the node as it was, and the next backward raises again.
-    types = subclass_saved(node, tensor_attrs)
+    unpacked = [getattr(node, attr) for attr in tensor_attrs]
+    types = _subclass_types(unpacked)
     if types is not None:
         raise SubclassSaved(types)
-    unpacked = [getattr(node, attr) for attr in tensor_attrs]
     for values in unpacked:
         for value in (values if type(values) is tuple else (values,)):
             if value is not None:

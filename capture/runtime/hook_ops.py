@@ -247,4 +247,5 @@ class graph_task:
             torch._C._current_autograd_node = _real_current_node
 
 
-HOOK_CALLS = {call_tensor_hook, call_pre_hook, call_post_hook, retain_grad, call_post_accumulate_hook}
+HOOK_CALLS = {call_tensor_hook, call_pre_hook, call_post_hook, retain_grad, call_post_accumulate_hook,
+              call_node_post_hooks}

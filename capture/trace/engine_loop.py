@@ -148,10 +148,8 @@ def _run_body(r, state: EngineState, i: int, inputs) -> None:
             r.accumulate(i, inputs[0], call.records[i].node_input)
             if spec is not None and spec.post_accumulate:
                 r.post_accumulate_hooks(i, spec, call.records[i].node_input)
-        if spec is not None and spec.native_post:  # C++ post-hooks among them: all run natively
-            r.native_post_hooks(i, inputs)
-        elif spec is not None and spec.post:
-            r.post_hooks(i, spec, [], inputs)
+        if spec is not None:
+            _post_hooks(r, i, spec, [], inputs)
         return
     edges = call.records[i].edges
     outputs = None
@@ -166,15 +164,24 @@ def _run_body(r, state: EngineState, i: int, inputs) -> None:
         outputs = r.validate(node, outputs, edges)
     if state.should_run is not None and kinds[i] is not FUNCTION and not isinstance(node, BackwardCFunction):
         outputs = computed(node, outputs, edges, state.should_run)
-    if spec is not None and spec.native_post:  # an accumulator run as itself, C++ post-hooks among its
-        r.native_post_hooks(i, inputs)
-    elif spec is not None and spec.post:
-        outputs = r.post_hooks(i, spec, outputs, inputs)
+    if spec is not None:
+        outputs = _post_hooks(r, i, spec, outputs, inputs)
     if kinds[i] is OPAQUE:
         r.release_saved(i, node)
     for g, e in zip(outputs, edges):
         if e is not None:
             state.deliver(r, e[0], e[1], g)
+
+
+def _post_hooks(r, i: int, spec, outputs, inputs):
+    """The node's post-hooks; their outputs.  Where C++ hooks are among them (DDP's reducer on
+    an accumulator, which has no outputs) the whole list runs natively, in its order."""
+    if spec.native_post:
+        r.native_post_hooks(i, inputs)
+        return outputs
+    if spec.post:
+        return r.post_hooks(i, spec, outputs, inputs)
+    return outputs
 
 
 # Builtin nodes whose formula computes a list argument's gradients together: one

@@ -27,7 +27,7 @@ _BY_TARGET = {
     runtime_ops.call_node: "opaque", runtime_ops.call_backward: "opaque", runtime_ops.release_saved: "opaque",
     runtime_ops.release_hooked: "opaque",
     runtime_ops.require_gradients: "check",
-    **{fn: "hook" for fn in hook_ops.HOOK_CALLS}, hook_ops.call_node_post_hooks: "hook",
+    **{fn: "hook" for fn in hook_ops.HOOK_CALLS},
 }
 
 
