@@ -423,6 +423,12 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
         elif node.target is hook_ops.call_node_post_hooks:  # before the other hook calls: it takes a live node
             python_reads = True  # DDP's reducer reads `.grad`
             _as_post_hooks_op(graph, node, adapter, position)
+        elif isinstance(node.target, runtime_ops.SubclassAccumulation):
+            python_reads = True  # the leaf's post-accumulate-grad hooks
+            grad = node.args[3]
+            steal = node.target.may_steal and isinstance(grad, fx.Node) and not _seen_by_python(grad)
+            _as_custom_op(graph, node, adapter, position, example_inputs[position[node.args[0]]],
+                          runtime_ops.SubclassAccumulation(steal, compiled=True))
         elif isinstance(node.target, runtime_ops.NodeUnpacking):
             python_reads = True  # the user's unpack hooks
             _as_custom_op(graph, node, adapter, position, example_inputs[position[node.args[0]]], node.target)

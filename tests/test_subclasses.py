@@ -171,6 +171,51 @@ def test_a_subclass_leaf_accumulates_as_itself(cls):
     assert Passthrough.calls == eager_calls == []  # gradfx read nothing through it
 
 
+def _user_compiler(gm, example_inputs):
+    return gm  # a user's backend: gets the graph in the form compilers trace (backends.traceable)
+
+
+@pytest.mark.parametrize("failed_compile", [False, True])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", _user_compiler])
+@pytest.mark.parametrize("held", [False, True])
+def test_a_subclass_leaf_takes_its_first_gradient_as_eager_does(held, backend, failed_compile):
+    """Eager's AccumulateGrad makes the first gradient ``.grad`` itself where nothing else
+    holds it, and copies it where something does (here a tensor hook that keeps it).  The
+    real node, called from Python, always copies; a subclass can tell (DTensor's copy of a
+    Partial gradient reduces it on torch 2.12), so gradfx takes the gradient for it.  In a
+    user compiler's code, whose memory the compiler may reuse, ``.grad`` is a copy that
+    nothing else sees.  Also after a failed torch.compile, whose frame evaluator stays
+    installed and holds one more reference to the arguments of Python calls."""
+    if failed_compile:
+        def breaks(x):
+            print(end="")  # fullgraph: dynamo cannot trace print(end=...)
+            return x.sin()
+        with pytest.raises(Exception):
+            torch.compile(breaks, backend="eager", fullgraph=True)(torch.randn(3))
+
+    def run(block):
+        x = leaf(Passthrough, 3, 4)
+        kept, seen = [], []
+        with torch._C.DisableTorchFunctionSubclass():
+            x.register_hook(lambda g: kept.append(g) if held else seen.append(g.data_ptr()))
+            x.register_post_accumulate_grad_hook(lambda t: seen.append("accumulated"))
+            loss = (x * torch.arange(12.0).view(3, 4)).sin().mul(2).exp().sum()  # x's gradient: computed
+        if block:
+            with gradfx.compiled_autograd(backend, strict=True):
+                loss.backward()
+        else:
+            loss.backward()
+        with torch._C.DisableTorchFunctionSubclass():
+            grad = x.grad
+            ptr = kept[0].data_ptr() if held else seen[0]
+            return grad.clone(), grad.data_ptr() == ptr, type(grad), seen[-1]
+
+    eager, got = run(False), run(True)
+    assert torch.equal(eager[0], got[0]) and eager[2:] == got[2:]
+    assert eager[1] is not held  # eager: the gradient itself, unless a hook keeps it
+    assert got[1] == (eager[1] if isinstance(backend, str) else False)
+
+
 @pytest.mark.parametrize("cls", [Passthrough, Raising])
 def test_a_node_that_saved_a_subclass_runs_as_itself_and_the_rest_is_captured(cls):
     """The node runs as eager runs it (the real node, on its saved subclass); gradfx

@@ -138,8 +138,10 @@ def _run(build, mesh, rank, under_gradfx, backend):
                     loss.backward()
         else:
             loss.backward()
-        out.append([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
-                    for p in model.parameters()])
+        # Each gradient's local shard and its placements (a Partial gradient copied where eager
+        # takes it reduces on torch 2.12: Replicate, another shard).
+        out.append([((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone(),
+                     getattr(p.grad, "placements", None)) for p in model.parameters()])
     return out, calls
 
 
@@ -162,7 +164,8 @@ def _worker(rank, world, port, results):
                     same = torch.equal if backend == "eager" else \
                         (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
                     results[(name, backend, rank)] = {
-                        "equal": all(same(a, b) for ws, gs in zip(eager, got) for a, b in zip(ws, gs)),
+                        "equal": all(same(a, b) and pa == pb
+                                     for ws, gs in zip(eager, got) for (a, pa), (b, pb) in zip(ws, gs)),
                         "calls": eager_calls == got_calls if backend == "eager" else
                         [c if isinstance(c, str) else c[0] for c in eager_calls] ==
                         [c if isinstance(c, str) else c[0] for c in got_calls],
@@ -227,7 +230,7 @@ def _worker_2d(rank, world, port, results):
                 warnings.filterwarnings("error", message=".*on the eager engine", category=gradfx.FallbackWarning)
                 with gradfx.compiled_autograd():
                     under(x).sum().backward()
-            equal &= all(torch.equal(a.grad.to_local(), b.grad.to_local())
+            equal &= all(torch.equal(a.grad.to_local(), b.grad.to_local()) and a.grad.placements == b.grad.placements
                          for a, b in zip(eager.parameters(), under.parameters()))
         results[rank] = {"equal": equal, "stats": gradfx.stats()}
     finally:

@@ -95,11 +95,8 @@ def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_st
         return
     old = variable.grad
     if old is None:
-        refs = sys.getrefcount(grad)
-        # ``calls``: Python calls between the graph's variable and here, each of which
-        # may hold one more reference (see _call_adds_reference).
-        unshared = may_steal and grad._use_count() <= 1 and (
-            refs <= unshared_refs or (refs <= unshared_refs + calls and _call_adds_reference()))
+        refs = sys.getrefcount(grad)  # before a call here holds it
+        unshared = may_steal and _unshared(grad, refs, unshared_refs, calls)
         if grad.is_sparse:
             variable.grad = _sparse_first_grad(grad, unshared)
         elif unshared and _obeys_layout_contract(grad, variable):
@@ -112,6 +109,15 @@ def accumulate_grad_unchecked(variable: torch.Tensor, grad: torch.Tensor, may_st
         old += grad
         if old.stride() != variable.stride():
             _check_layout(old, variable)
+
+
+def _unshared(grad: torch.Tensor, refs: int, unshared_refs: int, calls: int) -> bool:
+    """Does nothing but the graph's one local hold ``grad`` (``refs``: its reference count
+    where the caller read it, ``unshared_refs`` if so)?  ``calls``: Python calls between
+    the graph's variable and there, each of which may hold one more reference (see
+    _call_adds_reference)."""
+    return grad._use_count() <= 1 and (
+        refs <= unshared_refs or (refs <= unshared_refs + calls and _call_adds_reference()))
 
 
 def unchecked_accumulator():
@@ -233,6 +239,79 @@ def call_node(node, metas, must_be_defined, *grads):
     """Run a real builtin autograd node (an opaque node); validate as the engine does."""
     out = _as_node(node, node, grads)
     return finish_outputs(node.name(), out if type(out) is tuple else (out,), metas, must_be_defined)
+
+
+class SubclassAccumulation:
+    """AccumulateGrad of a leaf that is a tensor subclass (DTensor, ExpandedWeight), called
+    as :func:`call_node` is: the real node, which accumulates with the subclass's own ops
+    and calls the leaf's post-accumulate-grad hooks.
+
+    Called from Python, the node never steals the first gradient (the call holds
+    references to it) and copies it into the leaf's layout, where eager steals it.  A
+    subclass tells the two apart: on torch 2.12 DTensor's copy of a Partial gradient into a
+    replicated parameter's layout reduces it, and ``.grad`` is Replicate where eager's is
+    Partial.  So where eager would steal (``may_steal``: the graph says nothing else sees
+    the gradient, marked as for accumulate_grad, and its reference count agrees) ``.grad``
+    becomes the gradient itself, detached, and the hooks are called here, in the node's
+    stead.  In code a compiler wrote (``compiled``) the gradient's memory is the
+    compiler's to reuse and its reference count says nothing: ``.grad`` is then a clone,
+    the subclass's own, which nothing can tell from the gradient (nothing else sees it).
+    One per node of a graph.
+    """
+
+    __name__ = "accumulate_subclass"
+
+    def __init__(self, may_steal: bool = False, compiled: bool = False):
+        self.may_steal, self.compiled = may_steal, compiled
+
+    def __call__(self, node, metas, must_be_defined, *grads):
+        refs = sys.getrefcount(grads[0])  # before anything here holds it (_refs_in_call)
+        if (self.may_steal and grads[0] is not None and (self.compiled or _alone(grads[0], refs))
+                and _steals(node.variable, grads[0])):
+            return _as_node(node, _steal_first_grad, (node.variable, grads[0], self.compiled))
+        return call_node(node, metas, must_be_defined, *grads)
+
+
+class _CallProbe:
+    def __call__(self, node, metas, must_be_defined, *grads):
+        return sys.getrefcount(grads[0])
+
+
+def _refs_in_call() -> int:
+    """The reference count SubclassAccumulation reads of a gradient the caller holds in one
+    local: an object's call also holds its arguments in a tuple, then ``grads``; a frame
+    evaluator (dynamo's, left installed by a failed compile) may add to it, so a count
+    just above the usual asks again, on this thread, now."""
+    gradient = object()
+    return _CallProbe()(None, (), (), gradient)
+
+
+_CALL_REFS = _refs_in_call()
+
+
+def _alone(grad: torch.Tensor, refs: int) -> bool:
+    """Does nothing but the graph's local hold ``grad`` (``refs``: its count in the call)?"""
+    return grad._use_count() <= 1 and (refs <= _CALL_REFS or (refs == _CALL_REFS + 1 and refs <= _refs_in_call()))
+
+
+def _steals(variable: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Would AccumulateGrad steal ``grad`` as ``variable``'s first gradient (nothing else
+    holding it)?  Read without the subclass's ``__torch_function__``."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return (not torch.is_grad_enabled() and variable.requires_grad and variable.grad_fn is None
+                and variable.grad is None and grad.layout is torch.strided and not grad.is_nested
+                and (grad.is_mkldnn or _obeys_layout_contract(grad, variable)))
+
+
+def _steal_first_grad(variable: torch.Tensor, grad: torch.Tensor, copy: bool) -> tuple:
+    """AccumulateGrad's steal, then its post-accumulate-grad hooks, as the node calls them."""
+    with torch._C.DisableTorchFunctionSubclass():
+        variable.grad = grad.clone() if copy else grad.detach()
+        post = variable._post_accumulate_grad_hooks
+    for hook in tuple(post.values()) if post else ():
+        if hook(variable) is not None:
+            raise RuntimeError("Tensor post accumulate grad hooks should return None.")
+    return ()
 
 
 class NodeUnpacking:

@@ -655,6 +655,8 @@ class _Tracer:
             grads = [torch.zeros(self.meta(i, k)[0], dtype=self.meta(i, k)[1], device=self.meta(i, k)[2])
                      if g is None and k not in stand_ins else g for k, g in enumerate(grads)]
         fn = runtime_ops.call_backward if function else runtime_ops.call_node
+        if type_info(type(node)).kind is ACCUMULATE:  # a tensor subclass leaf's (kinds.AccumulateKind)
+            fn = runtime_ops.SubclassAccumulation()
         head = (_Input(node_input), tuple(metas), (False,) * len(metas))
         if plan is not None:  # gradfx unpacks for it, and learns what the hooks gave
             fn = runtime_ops.NodeUnpacking(plan, self.learner, i)
@@ -881,14 +883,18 @@ def _mark_steals(graph: fx.Graph) -> None:
     accumulator's own post-hooks (eager expects the reference it keeps for them).
     """
     order = {n: k for k, n in enumerate(graph.nodes)}
-    for node in graph.find_nodes(op="call_function", target=runtime_ops.accumulate_grad):
-        grad = node.args[1]
-        if grad.op == "placeholder":
+    subclass = [n for n in graph.nodes if isinstance(n.target, runtime_ops.SubclassAccumulation)]
+    for node in graph.find_nodes(op="call_function", target=runtime_ops.accumulate_grad) + subclass:
+        grad = node.args[1] if node.target is runtime_ops.accumulate_grad else node.args[3]
+        if not isinstance(grad, fx.Node) or grad.op == "placeholder":
             continue
         label = node.meta.get("gradfx_node")
         if all(order[u] <= order[node] or (u.target in _OWN_POST_HOOKS and u.meta.get("gradfx_node") == label)
                for u in grad.users):
-            node.update_arg(2, True)
+            if node.target is runtime_ops.accumulate_grad:
+                node.update_arg(2, True)
+            else:
+                node.target = runtime_ops.SubclassAccumulation(may_steal=True)
 
 
 def _plain(t: torch.Tensor) -> bool:
