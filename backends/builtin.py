@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 import warnings
 
@@ -130,6 +131,7 @@ def _inductor_compile(pure: fx.GraphModule, example_inputs: list):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     start = time.perf_counter()
+    _probing.join()
     functional = _functionalized(pure, example_inputs)
     # Inductor's FX graph cache keys a graph with the guards of its shape environment and
     # bypasses a compile that has none: a tracing context with one (static: every size is
@@ -195,7 +197,43 @@ def _aot_eager_compile(pure: fx.GraphModule, example_inputs: list):
     return functional.forward
 
 
-register_backend("inductor", _split_backend("inductor", _inductor_compile))
+class _VectorProbes:
+    """Inductor's per-process set-up that even a cache hit waits for: before it loads a
+    compiled CPU kernel it asks which vector instruction sets the CPU takes, loading a
+    probe library in a child Python for each (about 0.5 s on this project's machine, in
+    every process).  Started on a thread when a capture for the inductor backend begins,
+    the probes run while the graph is captured (they wait on child processes, not on the
+    GIL); the first compile waits for them.  Their answer is inductor's own cache."""
+
+    def __init__(self):
+        self.thread = None
+
+    def start(self) -> None:
+        if self.thread is not None:
+            return
+        # Imported here, not on the thread: two threads importing at once may deadlock.
+        from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+        self.thread = threading.Thread(target=self._probe, args=(cpu_vec_isa,), name="gradfx-inductor-probes",
+                                       daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _probe(cpu_vec_isa) -> None:
+        try:
+            cpu_vec_isa.valid_vec_isa_list()
+        except Exception:  # noqa: BLE001  (the compile asks again, and reports what fails)
+            log.debug("gradfx: inductor's vector probes failed on their thread", exc_info=True)
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+_probing = _VectorProbes()
+
+inductor = _split_backend("inductor", _inductor_compile)
+inductor._gradfx_warm_up = _probing.start
+register_backend("inductor", inductor)
 register_backend("aot_eager", _split_backend("aot_eager", _aot_eager_compile))
 
 

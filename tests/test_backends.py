@@ -251,7 +251,11 @@ _WARM_PROGRAM = """
 import logging, sys, time
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
 logging.getLogger("gradfx").setLevel(logging.INFO)
+import threading
 import torch, gradfx
+import torch._inductor.cpu_vec_isa as isa
+probes = isa.valid_vec_isa_list
+isa.valid_vec_isa_list = lambda: print("vector probes on", threading.current_thread().name) or probes()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
 loss = model(torch.randn(8, 16)).sum()
@@ -265,7 +269,9 @@ print("grad", model[0].weight.grad.sum().item())
 @pytest.mark.sample
 def test_inductor_regions_hit_the_fx_graph_cache_in_a_later_process(tmp_path):
     """The built-in inductor compiles with a shape environment, so inductor's FX graph cache
-    keys its regions: a second process loads them (the log says hit) instead of compiling."""
+    keys its regions: a second process loads them (the log says hit) instead of compiling.
+    Inductor's vector-ISA probes (child processes, every process) start on a thread of
+    their own when the capture begins, and so run while the graph is captured."""
     import os
     import subprocess
     import sys
@@ -277,5 +283,8 @@ def test_inductor_regions_hit_the_fx_graph_cache_in_a_later_process(tmp_path):
     first, second = (run.stdout for run in runs)
     assert "(FX graph cache miss)" in first and "bypass" not in first, first
     assert "(FX graph cache hit)" in second and "miss" not in second, second
+    for run in (first, second):
+        probed = [line for line in run.splitlines() if line.startswith("vector probes on")]
+        assert probed and probed[0] == "vector probes on gradfx-inductor-probes", run
     grads = [line for run in (first, second) for line in run.splitlines() if line.startswith("grad ")]
     assert grads[0] == grads[1]

@@ -322,6 +322,9 @@ class Session:
             log.info("gradfx: %d nodes run as themselves, where a tensor subclass reaches them (%s): %s",
                      len(subclassed), "; ".join(sorted({call.records[i].subclass for i in subclassed})),
                      ", ".join(call.node_label(i) for i in subclassed[:8]) + (", ..." if len(subclassed) > 8 else ""))
+        warm_up = getattr(self._config.backend_fn, "_gradfx_warm_up", None)
+        if warm_up is not None:  # the backend's process set-up, on a thread, while the capture runs
+            warm_up()
         learner = Learner(base, unpacked, cache.learn)
         made = pipeline.capture_call(call, self._dynamic_positions(call, structure), self.passes,
                                      names=self.names, grad_inputs=grad_inputs, assumed_none=assumed,
