@@ -262,6 +262,9 @@ loss = model(torch.randn(8, 16)).sum()
 with gradfx.compiled_autograd(backend="inductor"):
     loss.backward()
 print("grad", model[0].weight.grad.sum().item())
+from gradfx.backends import builtin
+print("sets probed side by side and valid:", sorted(str(i) for i in builtin._probed_sets(isa) if i))
+print("sets inductor finds valid:", sorted(str(i) for i in probes()))
 """
 
 
@@ -271,7 +274,8 @@ def test_inductor_regions_hit_the_fx_graph_cache_in_a_later_process(tmp_path):
     """The built-in inductor compiles with a shape environment, so inductor's FX graph cache
     keys its regions: a second process loads them (the log says hit) instead of compiling.
     Inductor's vector-ISA probes (child processes, every process) start on a thread of
-    their own when the capture begins, and so run while the graph is captured."""
+    their own when the capture begins, and so run while the graph is captured; the sets
+    it probes side by side are those inductor would probe one by one."""
     import os
     import subprocess
     import sys
@@ -286,5 +290,9 @@ def test_inductor_regions_hit_the_fx_graph_cache_in_a_later_process(tmp_path):
     for run in (first, second):
         probed = [line for line in run.splitlines() if line.startswith("vector probes on")]
         assert probed and probed[0] == "vector probes on gradfx-inductor-probes", run
+        # the sets probed side by side are those inductor asks about (on x86 Linux; else none)
+        ours = next(line for line in run.splitlines() if line.startswith("sets probed side by side"))
+        theirs = next(line for line in run.splitlines() if line.startswith("sets inductor finds valid"))
+        assert ours.endswith("[]") or ours.split(":")[1] == theirs.split(":")[1], run
     grads = [line for run in (first, second) for line in run.splitlines() if line.startswith("grad ")]
     assert grads[0] == grads[1]
