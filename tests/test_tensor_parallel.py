@@ -112,7 +112,47 @@ def _sequence_parallel(mesh):
     return model, (2, 6, 16)
 
 
-MODELS = {"mlp": _mlp, "sequence_parallel_norms": _sequence_parallel, "attention_and_mlp": _block, "mlp_new_batch_sizes": _mlp_new_batch_sizes}
+class _MathAttention(nn.Module):
+    """A layer run under math SDPA: flash attention's CPU backward has no DTensor sharding
+    strategy (eager tensor parallelism fails on it)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            return self.layer(x)
+
+
+def _encoder_layer(mesh):
+    """nn.TransformerEncoderLayer: the MLP colwise then rowwise, the attention's output
+    projection sharded on its input dimension, its packed in-projection replicated (DTensor
+    refuses to unflatten q, k and v from an uneven shard of it), so are the norms."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, parallelize_module)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    parallelize_module(layer, mesh, {"linear1": ColwiseParallel(), "linear2": RowwiseParallel(use_local_output=False)})
+    attention = layer.self_attn
+    placed = [(attention, "in_proj_weight", Replicate()), (attention, "in_proj_bias", Replicate()),
+              (attention.out_proj, "weight", Shard(1)), (attention.out_proj, "bias", Replicate())]
+    placed += [(norm, name, Replicate()) for norm in (layer.norm1, layer.norm2) for name in ("weight", "bias")]
+    for module, name, placement in placed:
+        setattr(module, name, nn.Parameter(distribute_tensor(getattr(module, name).detach(), mesh, [placement])))
+    model = _MathAttention(layer)
+    parallelize_module(model, mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                        desired_input_layouts=(Replicate(),), use_local_output=False))
+    parallelize_module(model, mesh, PrepareModuleOutput(output_layouts=(Replicate(),),
+                                                         desired_output_layouts=(Replicate(),), use_local_output=True))
+    return model, (2, 5, 16)
+
+
+MODELS = {"mlp": _mlp, "sequence_parallel_norms": _sequence_parallel, "attention_and_mlp": _block,
+          "mlp_new_batch_sizes": _mlp_new_batch_sizes}
+if torch.__version__ >= "2.12":  # on 2.11 eager TP fails on the layer (a view flattening a sharded dim)
+    MODELS["transformer_encoder_layer"] = _encoder_layer
 
 
 def _run(build, mesh, rank, under_gradfx, backend):
