@@ -215,7 +215,9 @@ class _VectorProbes:
         self.thread = None
 
     def start(self) -> None:
-        if self.thread is not None:
+        # With a GPU the regions are most likely CUDA code, which needs no probes: then
+        # inductor asks, where it does.
+        if self.thread is not None or torch.cuda.is_available():
             return
         # Imported here, not on the thread: two threads importing at once may deadlock.
         from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
