@@ -311,3 +311,37 @@ def test_a_node_whose_saved_tensor_the_graph_never_reads_runs_for_real(continuat
         return list(torch.autograd.grad(z, [x]))
     _compare(program)
     assert continuations[0] == 1
+
+
+class _Subclass(torch.Tensor):
+    """A plain tensor subclass: its leaf's accumulator runs as itself."""
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_subclass_leaf_after_a_stop_takes_its_first_gradient_as_eager_does(continuations, held):
+    """The accumulator of a tensor-subclass leaf, run node by node after a stop: ``.grad`` is
+    the gradient itself where nothing else holds it, as eager steals it (the real node,
+    called from Python, would copy it; a DTensor's copy can differ from it), and a copy
+    where a hook keeps it."""
+    def run(block):
+        torch.manual_seed(0)
+        x = torch.Tensor._make_subclass(_Subclass, torch.randn(3), True)
+        kept, seen = [], []
+        with torch._C.DisableTorchFunctionSubclass():
+            x.register_hook(lambda g: kept.append(g) if held else seen.append(g.data_ptr()))
+            h = x * 2
+            loss = RetNone.apply(h.sin()).sum() + (h * 3).sum()  # the None stops the graph at sin
+        if block:
+            with gradfx.compiled_autograd(backend="eager", strict=True):
+                loss.backward()
+        else:
+            loss.backward()
+        with torch._C.DisableTorchFunctionSubclass():
+            ptr = kept[0].data_ptr() if held else seen[0]
+            return x.grad.clone(), x.grad.data_ptr() == ptr
+
+    gradfx.reset()
+    eager, got = run(False), run(True)
+    assert continuations[0] == 1
+    assert torch.equal(eager[0], got[0])
+    assert eager[1] is not held and got[1] == eager[1]

@@ -149,6 +149,8 @@ class _Runner:
                 return list(runtime_ops.run_unpacking(node, metas, (False,) * len(metas), plan, self.learner, i,
                                                       grads, self.unpacked.pop(i, None)))
         run = runtime_ops.call_backward if isinstance(node, BackwardCFunction) else runtime_ops.call_node
+        if type_info(type(node)).kind is ACCUMULATE:  # a tensor subclass leaf's: it takes the gradient as eager
+            run = runtime_ops.SubclassAccumulation(may_steal=True, listed=True)
         return list(run(node, metas, (False,) * len(metas), *grads))
 
     def release_saved(self, i, node):

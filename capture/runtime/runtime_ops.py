@@ -256,17 +256,19 @@ class SubclassAccumulation:
     stead.  In code a compiler wrote (``compiled``) the gradient's memory is the
     compiler's to reuse and its reference count says nothing: ``.grad`` is then a clone,
     the subclass's own, which nothing can tell from the gradient (nothing else sees it).
+    ``listed``: called as ``fn(node, metas, must_be_defined, *inputs)`` with the node's
+    input list (run.continuation, node by node), not from a graph's local.
     One per node of a graph.
     """
 
     __name__ = "accumulate_subclass"
 
-    def __init__(self, may_steal: bool = False, compiled: bool = False):
-        self.may_steal, self.compiled = may_steal, compiled
+    def __init__(self, may_steal: bool = False, compiled: bool = False, listed: bool = False):
+        self.may_steal, self.compiled, self.listed = may_steal, compiled, listed
 
     def __call__(self, node, metas, must_be_defined, *grads):
         refs = sys.getrefcount(grads[0])  # before anything here holds it (_refs_in_call)
-        if (self.may_steal and grads[0] is not None and (self.compiled or _alone(grads[0], refs))
+        if (self.may_steal and grads[0] is not None and (self.compiled or _alone(grads[0], refs, self.listed))
                 and _steals(node.variable, grads[0])):
             return _as_node(node, _steal_first_grad, (node.variable, grads[0], self.compiled))
         return call_node(node, metas, must_be_defined, *grads)
@@ -277,21 +279,28 @@ class _CallProbe:
         return sys.getrefcount(grads[0])
 
 
-def _refs_in_call() -> int:
+def _refs_in_call(listed: bool = False) -> int:
     """The reference count SubclassAccumulation reads of a gradient the caller holds in one
-    local: an object's call also holds its arguments in a tuple, then ``grads``; a frame
-    evaluator (dynamo's, left installed by a failed compile) may add to it, so a count
-    just above the usual asks again, on this thread, now."""
+    local (``listed``: in one list, passed as ``*inputs``): an object's call also holds its
+    arguments in a tuple, then ``grads``; a frame evaluator (dynamo's, left installed by a
+    failed compile) may add to it, so a count just above the usual asks again, on this
+    thread, now."""
     gradient = object()
+    if listed:
+        inputs = [gradient]
+        del gradient
+        return _CallProbe()(None, (), (), *inputs)
     return _CallProbe()(None, (), (), gradient)
 
 
-_CALL_REFS = _refs_in_call()
+_CALL_REFS = {False: _refs_in_call(False), True: _refs_in_call(True)}
 
 
-def _alone(grad: torch.Tensor, refs: int) -> bool:
-    """Does nothing but the graph's local hold ``grad`` (``refs``: its count in the call)?"""
-    return grad._use_count() <= 1 and (refs <= _CALL_REFS or (refs == _CALL_REFS + 1 and refs <= _refs_in_call()))
+def _alone(grad: torch.Tensor, refs: int, listed: bool) -> bool:
+    """Does nothing but the caller's one reference hold ``grad`` (``refs``: its count in the
+    call)?"""
+    usual = _CALL_REFS[listed]
+    return grad._use_count() <= 1 and (refs <= usual or (refs == usual + 1 and refs <= _refs_in_call(listed)))
 
 
 def _steals(variable: torch.Tensor, grad: torch.Tensor) -> bool:
