@@ -288,6 +288,8 @@ def test_inductor_regions_hit_the_fx_graph_cache_in_a_later_process(tmp_path):
     assert "(FX graph cache miss)" in first and "bypass" not in first, first
     assert "(FX graph cache hit)" in second and "miss" not in second, second
     for run in (first, second):
+        if torch.cuda.is_available():
+            break  # with CUDA the probes are inductor's own, where it needs them
         probed = [line for line in run.splitlines() if line.startswith("vector probes on")]
         assert probed and probed[0] == "vector probes on gradfx-inductor-probes", run
         # the sets probed side by side are those inductor asks about (on x86 Linux; else none)
