@@ -172,6 +172,17 @@ def run_both(build, iterations=3, expect_captures=1, **kwargs):
 
 
 
+def record_case(results, key, case) -> None:
+    """``results[key] = case()`` on a spawned rank; where it raises, the traceback instead (the
+    case's test reports it), and the error goes on (the spawn then stops every rank)."""
+    try:
+        results[key] = case()
+    except Exception:
+        import traceback
+        results[key] = {"error": traceback.format_exc()}
+        raise
+
+
 def spawn_ranks(worker, world: int, *args) -> dict:
     """``worker(rank, world, port, *args, results)`` in ``world`` processes on a free loopback
     port (torch.multiprocessing.spawn); what the ranks put in ``results``, as a dict."""

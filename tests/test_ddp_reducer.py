@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import spawn_ranks
+from helpers import record_case, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -151,12 +151,7 @@ def _worker(rank, world, port, results):
     try:
         for name, case in CASES.items():
             gradfx.reset()
-            try:
-                results[(name, rank)] = _run_case(rank, case)
-            except Exception as err:  # noqa: BLE001  (reported by the case's test)
-                import traceback
-                results[(name, rank)] = {"error": traceback.format_exc()}
-                raise
+            record_case(results, (name, rank), lambda: _run_case(rank, case))
     finally:
         dist.destroy_process_group()
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import spawn_ranks
+from helpers import record_case, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -185,8 +185,21 @@ def _run(build, mesh, rank, under_gradfx, backend):
     return out, calls
 
 
-def _worker(rank, world, port, results):
+def _compare(build, mesh, rank, backend) -> dict:
+    """One case on this rank: eager TP, then TP under gradfx; what the test checks."""
     import gradfx
+    eager, eager_calls = _run(build, mesh, rank, False, backend)
+    gradfx.reset()
+    got, got_calls = _run(build, mesh, rank, True, backend)
+    same = torch.equal if backend == "eager" else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    return {"equal": all(same(a, b) and pa == pb for ws, gs in zip(eager, got) for (a, pa), (b, pb) in zip(ws, gs)),
+            "calls": eager_calls == got_calls if backend == "eager" else
+            [c if isinstance(c, str) else c[0] for c in eager_calls] ==
+            [c if isinstance(c, str) else c[0] for c in got_calls],
+            "stats": gradfx.stats()}
+
+
+def _worker(rank, world, port, results):
     from gradfx.capture import native
     assert native.wait() is not None, native.reason()  # a DTensor's gradients are told by it
     from torch.distributed.device_mesh import init_device_mesh
@@ -197,23 +210,7 @@ def _worker(rank, world, port, results):
         mesh = init_device_mesh("cpu", (world,))
         for name, build in MODELS.items():
             for backend in ("eager", "aot_eager"):
-                try:
-                    eager, eager_calls = _run(build, mesh, rank, False, backend)
-                    gradfx.reset()
-                    got, got_calls = _run(build, mesh, rank, True, backend)
-                    same = torch.equal if backend == "eager" else \
-                        (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
-                    results[(name, backend, rank)] = {
-                        "equal": all(same(a, b) and pa == pb
-                                     for ws, gs in zip(eager, got) for (a, pa), (b, pb) in zip(ws, gs)),
-                        "calls": eager_calls == got_calls if backend == "eager" else
-                        [c if isinstance(c, str) else c[0] for c in eager_calls] ==
-                        [c if isinstance(c, str) else c[0] for c in got_calls],
-                        "stats": gradfx.stats()}
-                except Exception:  # noqa: BLE001  (the case's test reports it)
-                    import traceback
-                    results[(name, backend, rank)] = {"error": traceback.format_exc()}
-                    raise
+                record_case(results, (name, backend, rank), lambda: _compare(build, mesh, rank, backend))
     finally:
         dist.destroy_process_group()
 

@@ -30,6 +30,11 @@ from ..trace import engine_loop
 from ..runtime import hook_ops, runtime_ops
 
 
+# A tensor subclass leaf's accumulator, handed the node's input list (the reference count it
+# reads is that list's).
+_SUBCLASS_ACCUMULATION = runtime_ops.SubclassAccumulation(may_steal=True, listed=True)
+
+
 def finish(call, frontier: engine_loop.Frontier, stop: runtime_ops.Diverged, keep_graph: bool,
            kept: "Kept", learner=None) -> tuple:
     """Run the rest of ``call`` from where its graph stopped; returns the captured gradients.
@@ -150,7 +155,7 @@ class _Runner:
                                                       grads, self.unpacked.pop(i, None)))
         run = runtime_ops.call_backward if isinstance(node, BackwardCFunction) else runtime_ops.call_node
         if type_info(type(node)).kind is ACCUMULATE:  # a tensor subclass leaf's: it takes the gradient as eager
-            run = runtime_ops.SubclassAccumulation(may_steal=True, listed=True)
+            run = _SUBCLASS_ACCUMULATION
         return list(run(node, metas, (False,) * len(metas), *grads))
 
     def release_saved(self, i, node):

@@ -318,8 +318,7 @@ def _steal_first_grad(variable: torch.Tensor, grad: torch.Tensor, copy: bool) ->
         variable.grad = grad.clone() if copy else grad.detach()
         post = variable._post_accumulate_grad_hooks
     for hook in tuple(post.values()) if post else ():
-        if hook(variable) is not None:
-            raise RuntimeError("Tensor post accumulate grad hooks should return None.")
+        hook_ops.call_post_accumulate_hook(hook, variable)  # the running node is set by _as_node
     return ()
 
 
