@@ -44,6 +44,7 @@ import torch.fx as fx
 
 from ..capture.runtime import hook_ops, runtime_ops
 from ..capture.trace.engine_loop import _GROUPED_OUTPUTS
+from ..reorder.bucket_allreduces import unbucket
 
 # Custom Functions whose backward dynamo cannot inline: they run as the custom op.
 _OPAQUE_FUNCTIONS = ("CheckpointFunction", "CompiledFunction")
@@ -387,6 +388,7 @@ def _check_gradient(grad, leaf, may_be_none: bool) -> None:
 def prepare(gm: fx.GraphModule, example_inputs: list):
     """(the compiler-facing copy of ``gm``, the :class:`Adapter` for its inputs)."""
     graph = copy.deepcopy(gm.graph)
+    unbucket(graph)  # DDP's hooks as they are: the compiler traces them (and may bucket their collectives)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     position = {n: k for k, n in enumerate(placeholders)}
     adapter = Adapter()

@@ -6,16 +6,19 @@ backward, SGD step) of rank 0 for each mode and rank count, and its ratio to eag
 1. ``ddp eager``: DistributedDataParallel, its default C++ reducer (the reference, 1.00x);
 2. ``ddp gradfx eager``: the same, backward in ``gradfx.compiled_autograd()``;
 3. ``ddp gradfx inductor``: the same with ``backend="inductor"``;
-4. ``ddp pyreducer gradfx eager``: DDP built with
+4. ``ddp pyreducer eager``: DDP built with
    ``torch._dynamo.config.optimize_ddp = "python_reducer"`` (its all-reduces are Python
-   post-accumulate-grad hooks gradfx captures), gradfx eager backend;
-5. ``fsdp2 eager``: ``fully_shard`` on each layer and on the root, eager;
-6. ``fsdp2 gradfx eager`` and 7. ``fsdp2 gradfx inductor``: the same under gradfx.
+   post-accumulate-grad hooks, one per parameter), on the eager engine;
+5. ``ddp pyreducer gradfx eager`` and 6. ``ddp pyreducer gradfx inductor``: the same under
+   gradfx, whose ``bucket_allreduces`` pass buckets those all-reduces;
+7. ``fsdp2 eager``: ``fully_shard`` on each layer and on the root, eager;
+8. ``fsdp2 gradfx eager`` and 9. ``fsdp2 gradfx inductor``: the same under gradfx.
 
 For the gradfx modes it also shows gradfx's captures/fallbacks over all steps of rank 0
 (a fallback shows there), and whether the first step's gradients equal, bitwise, those of
-the eager mode they stand for (``ddp gradfx eager`` against ``ddp eager``, ``fsdp2 gradfx
-eager`` against ``fsdp2 eager``; every rank compared).  Below the table: one process
+the eager mode they stand for (``ddp gradfx eager`` against ``ddp eager``, ``ddp pyreducer
+gradfx eager`` against ``ddp pyreducer eager``, ``fsdp2 gradfx eager`` against ``fsdp2
+eager``; every rank compared).  Below the table: one process
 alone (world 1, no process group), the backward of eager against gradfx's inductor
 backend: what inductor saves on the backward alone; and the target that saving sets for
 DDP: with inductor, DDP's step <= eager DDP's step minus that saving.
@@ -33,6 +36,7 @@ are oversubscribed: the table says so, and measures anyway.  The figures go to
     python bench/bench_ddp.py                       # transformer and gpt2_tiny, 2 and 4 ranks (~3 min)
     python bench/bench_ddp.py --quick               # 2 ranks, transformer, 6 steps (~1 min)
     python bench/bench_ddp.py --ranks 2 --models gpt2_tiny --steps 30
+    python bench/bench_ddp.py --modes pyreducer     # eager DDP and the modes whose name has "pyreducer"
 """
 
 from __future__ import annotations
@@ -64,14 +68,17 @@ MODES = (
     Mode("ddp eager", "ddp", None),
     Mode("ddp gradfx eager", "ddp", "eager"),
     Mode("ddp gradfx inductor", "ddp", "inductor"),
+    Mode("ddp pyreducer eager", "ddp_python", None),
     Mode("ddp pyreducer gradfx eager", "ddp_python", "eager"),
+    Mode("ddp pyreducer gradfx inductor", "ddp_python", "inductor"),
     Mode("fsdp2 eager", "fsdp2", None),
     Mode("fsdp2 gradfx eager", "fsdp2", "eager"),
     Mode("fsdp2 gradfx inductor", "fsdp2", "inductor"),
 )
 REFERENCE = MODES[0].name
 # the bitwise check of the first step's gradients: mode -> the eager mode it stands for
-SAME_GRADS_AS = {"ddp gradfx eager": "ddp eager", "fsdp2 gradfx eager": "fsdp2 eager"}
+SAME_GRADS_AS = {"ddp gradfx eager": "ddp eager", "ddp pyreducer gradfx eager": "ddp pyreducer eager",
+                 "fsdp2 gradfx eager": "fsdp2 eager"}
 SINGLE = (Mode("eager", "none", None), Mode("gradfx inductor", "none", "inductor"))
 # inductor compiles on the first step (and may once more for what the first left): warm it longer
 INDUCTOR_EXTRA_WARMUP = 2
@@ -290,10 +297,15 @@ def _check_first_grads(runners: dict) -> dict:
     return checks
 
 
-def run_model(name: str, rank: int, world: int, steps: int, warmup: int, mesh) -> dict:
+def selected(words) -> tuple:
+    """The modes whose name contains one of ``words`` (all for None), and eager DDP, the reference."""
+    return tuple(m for m in MODES if not words or m.name == REFERENCE or any(w in m.name for w in words))
+
+
+def run_model(name: str, rank: int, world: int, steps: int, warmup: int, mesh, args_modes=None) -> dict:
     """All modes of one model in this process group: warm-up, then interleaved timed rounds."""
     import torch.distributed as dist
-    runners = {m.name: Runner(m, name, mesh) for m in MODES}
+    runners = {m.name: Runner(m, name, mesh) for m in selected(args_modes)}
     batch = make_batch(name, rank)
     checks = {}
     for round_ in range(warmup + INDUCTOR_EXTRA_WARMUP):
@@ -345,7 +357,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         out = {}
         for name in args.models:
             start = time.perf_counter()
-            out[name] = run_model(name, rank, world, args.steps, args.warmup, mesh)
+            out[name] = run_model(name, rank, world, args.steps, args.warmup, mesh, args.modes)
             if rank == 0:
                 print(f"[bench_ddp] {world} ranks, {name}: {time.perf_counter() - start:.0f} s", flush=True)
         if rank == 0:
@@ -400,18 +412,18 @@ def _oversubscribed(world: int) -> bool:
     return world > (os.cpu_count() or 1)
 
 
-def _table(models, ranks, worlds: dict, single: dict) -> str:
+def _table(models, ranks, worlds: dict, single: dict, modes=MODES) -> str:
     """The table: a row per (model, mode), for each rank count: step ms, ratio to eager DDP,
     gradfx's captures/fallbacks (rank 0) and the first step's gradient check."""
     cell = f"{'step ms':>9} {'vs ddp':>7} {'cap/fb':>7} {'grads':>9}"
     width = len(cell)
-    head = [f"{'model':<12} {'mode':<27}" + "".join(
+    head = [f"{'model':<12} {'mode':<30}" + "".join(
         f" | {f'{w} ranks' + (' (oversubscribed)' if _oversubscribed(w) else ''):<{width}}" for w in ranks),
-            f"{'':<12} {'':<27}" + "".join(f" | {cell}" for _ in ranks)]
+            f"{'':<12} {'':<30}" + "".join(f" | {cell}" for _ in ranks)]
     lines = head + ["-" * len(head[0])]
     for name in models:
-        for mode in MODES:
-            row = f"{name:<12} {mode.name:<27}"
+        for mode in modes:
+            row = f"{name:<12} {mode.name:<30}"
             for w in ranks:
                 row += " | " + _cell(worlds.get(w, {}).get(name, {}), mode.name)
             lines.append(row)
@@ -491,6 +503,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=3,
                         help=f"warm-up steps per mode, {INDUCTOR_EXTRA_WARMUP} more for inductor (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, transformer, 6 steps")
+    parser.add_argument("--modes", nargs="+", metavar="WORD",
+                        help="only the modes whose name contains a WORD (eager DDP always runs)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
     parser.add_argument("--no-results", action="store_true", help="do not write bench/results.json")
     args = parser.parse_args(argv)
@@ -517,7 +531,7 @@ def main(argv=None) -> None:
     print(f"median training step of rank 0 over {args.steps} interleaved steps per mode, ms; "
           f"vs ddp: ratio to 'ddp eager'; cap/fb: gradfx captures/fallbacks on rank 0, all steps; "
           f"grads: first step bitwise vs the eager mode, every rank")
-    print(_table(args.models, ranks, worlds, single))
+    print(_table(args.models, ranks, worlds, single, selected(args.modes)))
     for w in ranks:
         if _oversubscribed(w):
             print(f"note: {w} ranks on {os.cpu_count()} cores are oversubscribed: their times measure "

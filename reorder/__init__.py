@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch.fx as fx
 
+from .bucket_allreduces import bucket_allreduces
 from .dce import eliminate_dead_code
 from .memory import free_inputs_early
 from .schedule import early_side_effects
@@ -49,9 +50,11 @@ def changes() -> tuple:
 register_pass("strip_detach", strip_detach)
 register_pass("dce", eliminate_dead_code)
 register_pass("early_side_effects", early_side_effects)
+register_pass("bucket_allreduces", bucket_allreduces)
 register_pass("free_inputs_early", free_inputs_early)
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("strip_detach", "dce", "early_side_effects", "free_inputs_early")
+DEFAULT_PIPELINE: tuple[str, ...] = ("strip_detach", "dce", "early_side_effects", "bucket_allreduces",
+                                     "free_inputs_early")
 
 
 def list_passes() -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..runtime import hook_ops, runtime_ops
+from ..runtime import ddp_buckets, hook_ops, runtime_ops
 
 SIDE_EFFECTS = frozenset({"accumulate", "hook", "opaque", "check"})
 
@@ -28,6 +28,7 @@ _BY_TARGET = {
     runtime_ops.release_hooked: "opaque",
     runtime_ops.require_gradients: "check",
     **{fn: "hook" for fn in hook_ops.HOOK_CALLS},
+    ddp_buckets.open_buckets: "hook", ddp_buckets.ready: "hook", ddp_buckets.finish: "hook",
 }
 
 

@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch._prims_common import is_contiguous_or_false, make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
-from ..runtime import hook_ops, runtime_ops
+from ..runtime import ddp_buckets, hook_ops, runtime_ops
 from . import aot_regions, engine_loop, fast_ops, plain_layout, sym_memo
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
@@ -419,12 +419,24 @@ class _Tracer:
     def native_post_hooks(self, i, inputs):
         self.python_call(hook_ops.call_node_post_hooks, (self.running(i), tuple(inputs)), None, self.call_label(i),
                          "hook")
+        spec = self.call.records[i].hooks
+        if not spec.post and any(ddp_buckets.reducer_of(self.call.inputs[pos]) is not None
+                                 for pos in spec.post_accumulate):
+            # C++ hooks alone, on a parameter of a DDP in Python-reducer mode: its C++ reducer
+            # never expects them (DDP skips the reducer's forward and backward set-up), so
+            # they read no .grad (reorder.bucket_allreduces)
+            self.last_call.meta["gradfx_idle_reducer"] = True
 
     def post_accumulate_hooks(self, i, spec, var_pos):
         label = self.call_label(i)
         for pos in spec.post_accumulate:
             self.python_call(hook_ops.call_post_accumulate_hook, (_Input(pos), _Input(var_pos), self.running(i)), None,
                              label, "hook")
+            ddp = ddp_buckets.reducer_of(self.call.inputs[pos])
+            if ddp is not None:  # DDP's Python reducer: reorder.bucket_allreduces plans it into a bucket
+                variable = self.call.inputs[var_pos]
+                self.last_call.meta["gradfx_allreduce"] = ddp_buckets.Planned(
+                    variable.numel(), variable.dtype, id(ddp.process_group), *ddp_buckets.bucket_caps(ddp))
 
     def running(self, i):
         """The input holding node ``i`` itself, which its hooks see running (hook_ops._call);
