@@ -102,13 +102,43 @@ class _DropsUnusedInputs(_BoxedCodeGen):
         return "\n".join(lines)
 
 
-def _functionalized(pure: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
+def _functionalized(pure: fx.GraphModule, example_inputs: list, dynamic: bool = False) -> fx.GraphModule:
+    """The region without mutations, in inductor's decompositions.  ``dynamic``: traced with
+    a symbol for every size and int input (the placeholders' values say which, in their
+    own shape environment, whose guards say for which inputs the code holds)."""
     # Views stay views: a region's outputs keep eager's layouts, which the regions after
     # it were compiled for and which accumulate_grad's steal needs.
     from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental import _config as shapes_config
     from torch.fx.experimental.proxy_tensor import make_fx
-    return make_fx(torch.func.functionalize(pure, remove="mutations"),
-                   decomposition_table=select_decomp_table(), tracing_mode="fake")(*example_inputs)
+    # Without duck sizing: two sizes equal in these inputs only by chance (a sequence length
+    # and a head dimension, both 32) stay two symbols, not a guard that the next length fails.
+    with shapes_config.patch(use_duck_shape=False):
+        functional = make_fx(torch.func.functionalize(pure, remove="mutations"),
+                             decomposition_table=select_decomp_table(),
+                             tracing_mode="symbolic" if dynamic else "fake")(*example_inputs)
+    # A symbolic trace keeps its shape environment on the module, which inductor's FX graph
+    # cache cannot pickle into a key (it bypasses the cache).  Inductor finds it where
+    # this says None: on the placeholders' values.
+    functional.shape_env = None
+    return functional
+
+
+def _traced_inputs(functional: fx.GraphModule) -> list:
+    return [n.meta["val"] for n in functional.graph.find_nodes(op="placeholder")]
+
+
+def _guard(traced_inputs: list):
+    """``holds(inputs) -> bool``: do the guards of the shape environment the region was
+    traced and compiled in hold for these inputs (sizes, strides, ints)?"""
+    from torch._guards import detect_fake_mode
+    fake_mode = detect_fake_mode(traced_inputs)
+    symbolic = [x for x in traced_inputs if isinstance(x, torch.SymInt)]
+    shape_env = fake_mode.shape_env if fake_mode is not None else symbolic[0].node.shape_env if symbolic else None
+    code = shape_env.produce_guards_expression(traced_inputs) if shape_env is not None else None
+    if not code:
+        return lambda inputs: True
+    return lambda inputs: shape_env.evaluate_guards_expression(code, inputs)
 
 
 def _split_backend(name: str, compile_region):
@@ -129,26 +159,31 @@ def _split_backend(name: str, compile_region):
     return takes_plain_graph(backend)
 
 
-def _inductor_compile(pure: fx.GraphModule, example_inputs: list):
-    from torch._guards import TracingContext, tracing
+def _inductor_compile(pure: fx.GraphModule, example_inputs: list, dynamic: bool = False):
+    from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     start = time.perf_counter()
-    functional = _functionalized(pure, example_inputs)
-    # Inductor's FX graph cache keys a graph with the guards of its shape environment and
-    # bypasses a compile that has none: a tracing context with one (static: every size is
-    # an int here) lets a later process load the compiled region instead of compiling it.
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-    fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
-             for x in example_inputs]
+    functional = _functionalized(pure, example_inputs, dynamic)
+    if dynamic:  # the symbolic trace's own fakes and shape environment: code for every size
+        fakes = _traced_inputs(functional)
+        fake_mode = detect_fake_mode(fakes)
+    else:
+        # Inductor's FX graph cache keys a graph with the guards of its shape environment and
+        # bypasses a compile that has none: a tracing context with one (static: every size
+        # is an int here) lets a later process load the compiled region instead of compiling it.
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+                 for x in example_inputs]
     _probing.join()
-    log.info("gradfx: inductor compiling a region of %d fx nodes", len(functional.graph.nodes))
+    what = "a region" + (" for all sizes" if dynamic else "")
+    log.info("gradfx: inductor compiling %s of %d fx nodes", what, len(functional.graph.nodes))
     with tracing(TracingContext(fake_mode)), _FxCacheOutcome() as cache:
         compiled = compile_fx_inner(functional, fakes)
-    log.info("gradfx: inductor compiled a region of %d fx nodes in %.2f s (FX graph cache %s)",
-             len(functional.graph.nodes), time.perf_counter() - start, cache.outcome)
-    return compiled
+    log.info("gradfx: inductor compiled %s of %d fx nodes in %.2f s (FX graph cache %s)",
+             what, len(functional.graph.nodes), time.perf_counter() - start, cache.outcome)
+    return (compiled, _guard(fakes)) if dynamic else compiled
 
 
 class _FxCacheOutcome(logging.Filter):
@@ -194,11 +229,12 @@ class _FxCacheOutcome(logging.Filter):
         return False
 
 
-def _aot_eager_compile(pure: fx.GraphModule, example_inputs: list):
-    functional = _functionalized(pure, example_inputs)
+def _aot_eager_compile(pure: fx.GraphModule, example_inputs: list, dynamic: bool = False):
+    functional = _functionalized(pure, example_inputs, dynamic)
+    holds = _guard(_traced_inputs(functional)) if dynamic else None
     functional.graph.set_codegen(_BoxedCodeGen())
     functional.recompile()
-    return functional.forward
+    return (functional.forward, holds) if dynamic else functional.forward
 
 
 class _VectorProbes:

@@ -146,9 +146,10 @@ class _Graph:
     part of it runs uncompiled (once: it is one graph), and the code compiled so far by
     what it computes (repeated_blocks.canonical_key): a transformer's layers compile once."""
 
-    def __init__(self, compile_region, python_code, name: str, part: str):
+    def __init__(self, compile_region, python_code, name: str, part: str, dynamic: bool = False):
         self.compile_region, self.python_code, self.name = compile_region, python_code, name
         self.part = part  # what the log calls a region
+        self.dynamic = dynamic  # a graph of symbolic sizes: its sized regions compile for all sizes
         self.warned = False
         self.compiled: dict = {}
 
@@ -163,15 +164,34 @@ class _Graph:
         counters.note("uncompiled")
 
 
+class _General:
+    """Code compiled for every size its guards admit (a region of a symbolic graph)."""
+
+    __slots__ = ("fn", "holds")
+
+    def __init__(self, fn, holds):
+        self.fn, self.holds = fn, holds
+
+    def admits(self, inputs: list) -> bool:
+        try:
+            return bool(self.holds(inputs))
+        except Exception:  # noqa: BLE001  (an input the guards cannot read: compile for it)
+            log.debug("gradfx: a region's guards could not be evaluated", exc_info=True)
+            return False
+
+
 class _Region:
     """A compiled region: code per key (the graph's sizes where they matter, and the
     strides or values of its inputs the graph computes: a hook may return any layout).
-    A key whose compile fails runs the region's Python."""
+    A key whose compile fails runs the region's Python.  In a graph of symbolic sizes a
+    region taking sizes compiles for all sizes at once (``_General``): a new key whose
+    inputs its guards admit reuses that code, without a compile."""
 
     def __init__(self, gm: fx.GraphModule, computed: list[int], sized: bool, graph: _Graph):
         self.gm, self.computed, self.sized, self.graph = gm, computed, sized, graph
         self.python = None
         self.compiled: dict = {}
+        self.general: list[_General] = []
 
     def key(self, sub: list, sizes: tuple) -> tuple:
         computed = tuple(x.stride() if isinstance(x, torch.Tensor) else x for x in map(sub.__getitem__, self.computed))
@@ -183,13 +203,33 @@ class _Region:
         what = repeated_blocks.canonical_key(self.gm, examples) if what is None else what
         fn = self.graph.compiled.get(what)
         if fn is None:
+            examples = [a.detach() if isinstance(a, torch.Tensor) else a for a in examples]
             with torch.no_grad():
-                fn = self.graph.compile_region(self.gm, [a.detach() if isinstance(a, torch.Tensor) else a
-                                                         for a in examples])
+                fn = self._compile_general(examples) if self.sized and self.graph.dynamic else None
+                if fn is None:
+                    fn = self.graph.compile_region(self.gm, examples)
             self.graph.compiled[what] = fn
+        if isinstance(fn, _General):
+            if fn not in self.general:
+                self.general.append(fn)
+            return fn.fn
         return fn
 
+    def _compile_general(self, examples: list):
+        """Code for all sizes, or None where the compiler cannot (then: for these sizes)."""
+        try:
+            return _General(*self.graph.compile_region(self.gm, examples, dynamic=True))
+        except Exception as err:  # noqa: BLE001
+            log.info("gradfx: backend %s could not compile a region of %d fx nodes for all sizes (%s: %s); "
+                     "compiling it for these sizes", self.graph.name, len(self.gm.graph.nodes), type(err).__name__,
+                     err)
+            return None
+
     def compile_on_run(self, sub: list, key: tuple):
+        for general in self.general:
+            if general.admits(sub):  # compiled for all sizes: these too
+                fn = self.compiled[key] = general.fn
+                return fn
         what = repeated_blocks.canonical_key(self.gm, sub)
         if what in self.graph.compiled:  # a repeat of a block compiled for these sizes already: no compile
             fn = self.compiled[key] = self.graph.compiled[what]
@@ -259,7 +299,7 @@ def runner(gm: fx.GraphModule, pieces: list, compile_region, example_inputs: lis
             symbols[val.node.expr] = value
 
     part = "a cached backward" if sum(compiled for compiled, _ in pieces) == 1 else "a region of a cached backward"
-    shared = _Graph(compile_region, python_code, name, part)
+    shared = _Graph(compile_region, python_code, name, part, dynamic=n_sizes > 0)
     steps = []
     for k, (compiled, nodes) in enumerate(pieces):
         inside = set(nodes)
