@@ -9,7 +9,11 @@ the steady backward after it, side by side for
 * ``pytorch_ca``: PyTorch's compiled autograd (inductor) with ``torch.compile(model)``;
 * ``gradfx_whole`` (asked for by name): ``gradfx`` with each region compiled whole, not
   cut into its repeated blocks (``backends/repeated_blocks.py``): what the cut saves in
-  compile time and costs in steady speed.
+  compile time and costs in steady speed;
+* ``gradfx_lengths`` (asked for by name): ``gradfx`` with ``dynamic="auto"`` over four
+  sequence lengths: the first backward of each (the second recaptures with symbolic sizes
+  and compiles its regions for all sizes; the third and fourth should compile nothing),
+  and the compiles, recaptures and recompiles after each; the steady ratio at the last.
 
 Each (mode, model, cold/warm) runs in a process of its own (``--worker``), which prints
 one JSON line: the first step (forward and backward) in seconds, the first backward
@@ -39,7 +43,7 @@ sys.path.insert(0, HERE)
 
 # gradfx_whole: gradfx with each region compiled whole (no repeated blocks), for the
 # cost of the cut in steady speed and what it saves in compile time
-MODES = ("gradfx", "gradfx+compiled", "torch.compile", "pytorch_ca", "gradfx_whole")
+MODES = ("gradfx", "gradfx+compiled", "torch.compile", "pytorch_ca", "gradfx_whole", "gradfx_lengths")
 DEFAULT_MODES = MODES[:4]
 
 # name: (config arguments, batch, sequence length); "_hooks": where AOT cannot go, a
@@ -92,11 +96,12 @@ def worker(mode: str, name: str, pairs: int) -> dict:
         repeated_blocks.MIN_NODES = 10 ** 9
     model, ids = _model(name)
     eager_model, _ = _model(name)  # the same weights and hooks
-    forward = model if mode in ("gradfx", "gradfx_whole") else torch.compile(model)
+    forward = model if mode in ("gradfx", "gradfx_whole", "gradfx_lengths") else torch.compile(model)
+    dynamic = "auto" if mode == "gradfx_lengths" else False
 
     def backward_of(loss):
-        if mode in ("gradfx", "gradfx+compiled", "gradfx_whole"):
-            with gradfx.compiled_autograd(backend="inductor"):
+        if mode.startswith("gradfx"):
+            with gradfx.compiled_autograd(backend="inductor", dynamic=dynamic):
                 loss.backward()
         elif mode == "pytorch_ca":
             with torch._dynamo.compiled_autograd._enable(torch.compile(backend="inductor")):
@@ -114,6 +119,14 @@ def worker(mode: str, name: str, pairs: int) -> dict:
     start = time.perf_counter()
     first_backward = step(forward, backward_of)
     first_step = time.perf_counter() - start
+    lengths = []
+    if mode == "gradfx_lengths":
+        lengths.append({"length": ids.shape[1], "first_backward_s": round(first_backward, 2), **gradfx.stats()})
+        vocab = MODELS[name][0]["vocab_size"]
+        for change in (-3, 5, -7):
+            ids = torch.randint(3, vocab, (ids.shape[0], MODELS[name][2] + change))
+            lengths.append({"length": ids.shape[1], "first_backward_s": round(step(forward, backward_of), 2),
+                            **gradfx.stats()})
     for _ in range(3):  # warm-up: both sides, any second compile
         step(forward, backward_of)
         step(eager_model, lambda loss: loss.backward())
@@ -133,7 +146,8 @@ def worker(mode: str, name: str, pairs: int) -> dict:
             "steady_spread": [round(low, 2), round(high, 2)],
             "backward_ms": round(statistics.median(mine) * 1e3, 3),
             "eager_backward_ms": round(statistics.median(eager) * 1e3, 3),
-            "compiles": stats.get("compiles"), "uncompiled": stats.get("uncompiled")}
+            "compiles": stats.get("compiles"), "uncompiled": stats.get("uncompiled"),
+            **({"lengths": lengths} if lengths else {})}
 
 
 # -- the run ------------------------------------------------------------------------
@@ -187,6 +201,12 @@ def main(argv=None) -> None:
             steady = warm.get("ratio_steady")
             print(f"{name:<14} {mode:<16} {first(cold):>16} {first(warm):>16} "
                   f"{(f'{steady:.2f}x' if steady is not None else '-'):>17}", flush=True)
+            for label, r in (("cold", cold), ("warm", warm)):
+                if r.get("lengths"):
+                    print(f"{'':<14} {label}: " + "; ".join(
+                        f"length {x['length']}: {x['first_backward_s']:.2f} s (captures {x['captures']}, "
+                        f"recaptures {x['recaptures']}, compiles {x['compiles']}, recompiles {x['recompiles']})"
+                        for x in r["lengths"]), flush=True)
     if not args.no_results:
         import results_file
         results_file.record("bench_compile", entries, pairs=args.pairs)
