@@ -103,29 +103,56 @@ class _DropsUnusedInputs(_BoxedCodeGen):
 
 
 def _functionalized(pure: fx.GraphModule, example_inputs: list, dynamic: bool = False) -> fx.GraphModule:
-    """The region without mutations, in inductor's decompositions.  ``dynamic``: traced with
-    a symbol for every size and int input (the placeholders' values say which, in their
-    own shape environment, whose guards say for which inputs the code holds)."""
+    """The region without mutations, in inductor's decompositions.  ``dynamic``: traced on
+    fakes whose sizes are symbols where the captured graph's are (:func:`_symbolic_fakes`);
+    the placeholders' values keep that shape environment, whose guards say for which
+    inputs the code holds."""
     # Views stay views: a region's outputs keep eager's layouts, which the regions after
     # it were compiled for and which accumulate_grad's steal needs.
     from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental import _config as shapes_config
     from torch.fx.experimental.proxy_tensor import make_fx
-    # Without duck sizing: two sizes equal in these inputs only by chance (a sequence length
-    # and a head dimension, both 32) stay two symbols, not a guard that the next length fails.
-    with shapes_config.patch(use_duck_shape=False):
-        functional = make_fx(torch.func.functionalize(pure, remove="mutations"),
-                             decomposition_table=select_decomp_table(),
-                             tracing_mode="symbolic" if dynamic else "fake")(*example_inputs)
-    # A symbolic trace keeps its shape environment on the module, which inductor's FX graph
-    # cache cannot pickle into a key (it bypasses the cache).  Inductor finds it where
-    # this says None: on the placeholders' values.
+    inputs = _symbolic_fakes(pure, example_inputs) if dynamic else example_inputs
+    functional = make_fx(torch.func.functionalize(pure, remove="mutations"), decomposition_table=select_decomp_table(),
+                         tracing_mode="fake")(*inputs)
+    # make_fx keeps a shape environment on the module, which inductor's FX graph cache
+    # cannot pickle into a key (it bypasses the cache).  Inductor finds it where this says
+    # None: on the placeholders' values.
     functional.shape_env = None
     return functional
 
 
-def _traced_inputs(functional: fx.GraphModule) -> list:
-    return [n.meta["val"] for n in functional.graph.find_nodes(op="placeholder")]
+def _symbolic_fakes(pure: fx.GraphModule, example_inputs: list) -> list:
+    """Fakes of the region's inputs in a shape environment of their own: a size is a symbol
+    where the captured graph's is one (its placeholders' values say), an int input too;
+    every other size stays the int it is (a model's widths: static code, fewer guards).
+    Each symbol is fresh: two sizes equal here only by chance (a sequence length and a
+    head dimension, both 32) do not become one, which the next length would break."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    shape_env = ShapeEnv(duck_shape=False)
+    mode = FakeTensorMode(shape_env=shape_env)
+    fakes = []
+    for k, (node, x) in enumerate(zip(pure.graph.find_nodes(op="placeholder"), example_inputs)):
+        val = node.meta.get("val")
+        source = ConstantSource(f"gradfx_input_{k}")
+        if isinstance(x, torch.Tensor):
+            symbolic = [isinstance(v, torch.SymInt) for v in val.shape] if isinstance(val, torch.Tensor) \
+                else [False] * x.dim()
+            context = StatelessSymbolicContext(
+                dynamic_sizes=[DimDynamic.DYNAMIC if s else DimDynamic.STATIC for s in symbolic])
+            fakes.append(mode.from_tensor(x, source=source, symbolic_context=context))
+        elif isinstance(x, int) and isinstance(val, torch.SymInt):
+            fakes.append(shape_env.create_symintnode(
+                shape_env.create_symbol(x, source, dynamic_dim=DimDynamic.DYNAMIC), hint=x, source=source))
+        else:
+            fakes.append(x)
+    return fakes
+
+
+def _traced_inputs(functional: fx.GraphModule, example_inputs: list) -> list:
+    """What the trace saw of each input: its fake, or the value itself (an int it kept)."""
+    return [n.meta.get("val", x) for n, x in zip(functional.graph.find_nodes(op="placeholder"), example_inputs)]
 
 
 def _guard(traced_inputs: list):
@@ -135,7 +162,8 @@ def _guard(traced_inputs: list):
     fake_mode = detect_fake_mode(traced_inputs)
     symbolic = [x for x in traced_inputs if isinstance(x, torch.SymInt)]
     shape_env = fake_mode.shape_env if fake_mode is not None else symbolic[0].node.shape_env if symbolic else None
-    code = shape_env.produce_guards_expression(traced_inputs) if shape_env is not None else None
+    # Static sizes too: the code assumed them
+    code = shape_env.produce_guards_expression(traced_inputs, ignore_static=False) if shape_env is not None else None
     if not code:
         return lambda inputs: True
     return lambda inputs: shape_env.evaluate_guards_expression(code, inputs)
@@ -167,7 +195,7 @@ def _inductor_compile(pure: fx.GraphModule, example_inputs: list, dynamic: bool 
     start = time.perf_counter()
     functional = _functionalized(pure, example_inputs, dynamic)
     if dynamic:  # the symbolic trace's own fakes and shape environment: code for every size
-        fakes = _traced_inputs(functional)
+        fakes = _traced_inputs(functional, example_inputs)
         fake_mode = detect_fake_mode(fakes)
     else:
         # Inductor's FX graph cache keys a graph with the guards of its shape environment and
@@ -231,7 +259,7 @@ class _FxCacheOutcome(logging.Filter):
 
 def _aot_eager_compile(pure: fx.GraphModule, example_inputs: list, dynamic: bool = False):
     functional = _functionalized(pure, example_inputs, dynamic)
-    holds = _guard(_traced_inputs(functional)) if dynamic else None
+    holds = _guard(_traced_inputs(functional, example_inputs)) if dynamic else None
     functional.graph.set_codegen(_BoxedCodeGen())
     functional.recompile()
     return (functional.forward, holds) if dynamic else functional.forward

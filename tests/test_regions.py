@@ -253,16 +253,24 @@ def test_dynamic_sizes_with_hooks(region_compiles):
 
 
 def test_code_for_all_sizes_holds_where_its_guards_do():
-    """The guards of a region compiled for all sizes: other sizes pass, sizes that break
-    what the trace assumed (a matrix product's inner sizes apart) do not."""
+    """The guards of a region compiled for all sizes: sizes symbolic in the captured graph
+    may change, as long as what the trace assumed of them holds (a matrix product's inner
+    sizes equal); sizes static there may not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     def region(n, x, y):
         return (torch.mm(x, y).view(n, -1) * 2,)
-    fn, holds = builtin._aot_eager_compile(region, [8, torch.randn(8, 16), torch.randn(16, 4)], dynamic=True)
+    examples = [8, torch.randn(8, 16), torch.randn(16, 4)]
+    symbolic = make_fx(region, tracing_mode="symbolic")(*examples)  # every size symbolic, as captured
+    fn, holds = builtin._aot_eager_compile(symbolic, examples, dynamic=True)
     x, y = torch.randn(5, 7), torch.randn(7, 3)
     assert holds([5, x, y])
     torch.testing.assert_close(fn([5, x, y])[0], (x @ y) * 2)
     assert not holds([5, torch.randn(6, 7), y])  # n is not x's first size
     assert not holds([5, x, torch.randn(8, 3)])  # x's second size is not y's first
+    static = make_fx(region, tracing_mode="fake")(*examples)  # every size as captured: static
+    _, holds = builtin._aot_eager_compile(static, examples, dynamic=True)
+    assert holds(examples) and not holds([8, torch.randn(8, 16), torch.randn(16, 5)])
 
 
 def test_autograd_grad_returns_what_regions_and_hooks_compute():
