@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -181,6 +182,31 @@ def record_case(results, key, case) -> None:
         import traceback
         results[key] = {"error": traceback.format_exc()}
         raise
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int):
+    """This spawned rank in a gloo process group on loopback ``port`` (one thread), for the
+    block; destroyed after it."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def record_cases(results, rank: int, cases: dict, run) -> None:
+    """``run(rank, case)`` of each case on this rank, gradfx's counters reset before each,
+    recorded under ``(name, rank)`` (:func:`record_case`)."""
+    for name, case in cases.items():
+        gradfx.reset()
+        record_case(results, (name, rank), lambda: run(rank, case))
 
 
 def spawn_ranks(worker, world: int, *args) -> dict:

@@ -11,15 +11,13 @@ gradfx, and on every step and rank:
 * no fallback warning (the block is strict about it).
 """
 
-import os
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import record_case, spawn_ranks
+from helpers import gloo_group, record_cases, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -137,16 +135,8 @@ THREE_RANK_CASES = {"buckets": CASES["buckets"]}
 
 
 def _worker(rank, world, port, cases, results):
-    import gradfx
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        for name, case in cases.items():
-            gradfx.reset()
-            record_case(results, (name, rank), lambda: _run_case(rank, case))
-    finally:
-        dist.destroy_process_group()
+    with gloo_group(rank, world, port):
+        record_cases(results, rank, cases, _run_case)
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,14 @@ gradient, DTensor's own Functions) run as themselves inside the captured graph; 
 rest is traced.  One spawn runs every case; each test reads its own.
 """
 
-import os
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import record_case, spawn_ranks
+from helpers import gloo_group, record_case, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -203,16 +201,11 @@ def _worker(rank, world, port, results):
     from gradfx.capture import native
     assert native.wait() is not None, native.reason()  # a DTensor's gradients are told by it
     from torch.distributed.device_mesh import init_device_mesh
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port):
         mesh = init_device_mesh("cpu", (world,))
         for name, build in MODELS.items():
             for backend in ("eager", "aot_eager"):
                 record_case(results, (name, backend, rank), lambda: _compare(build, mesh, rank, backend))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -243,10 +236,7 @@ def _worker_2d(rank, world, port, results):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
         def build():
@@ -270,8 +260,6 @@ def _worker_2d(rank, world, port, results):
             equal &= all(torch.equal(a.grad.to_local(), b.grad.to_local()) and a.grad.placements == b.grad.placements
                          for a, b in zip(eager.parameters(), under.parameters()))
         results[rank] = {"equal": equal, "stats": gradfx.stats()}
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tensor_parallel_inside_fsdp2_is_captured_as_eager():
