@@ -69,11 +69,11 @@ def reducer_of(hook):
 def bucket_caps(ddp) -> tuple[int, int]:
     """(first bucket's bytes, later buckets' bytes), as DDP gives them to its C++ reducer."""
     cap = int(ddp.bucket_bytes_cap)
-    config = getattr(ddp, "_bucket_config", None)  # 2.13 and later
+    config = getattr(ddp, "_bucket_config", None)  # 2.12 and later
     if config is not None:
         return int(config.first_bucket_bytes_cap), cap
-    import torch.distributed as dist
-    return int(dist._DEFAULT_FIRST_BUCKET_BYTES), cap
+    import torch.distributed as dist  # 2.11: the default first bucket where the cap is the default
+    return (int(dist._DEFAULT_FIRST_BUCKET_BYTES) if getattr(ddp, "bucket_bytes_cap_default", True) else cap), cap
 
 
 class Buckets:
