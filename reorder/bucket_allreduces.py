@@ -52,9 +52,9 @@ def _marked(node: fx.Node) -> bool:
 
 def _reads_no_grad(node: fx.Node) -> bool:
     """Can the node not read a leaf's ``.grad``?  Aten ops compute on the graph's values
-    (a gradient accumulated by stealing has no later use), accumulations write their own
-    leaf's, and so do the C++ hooks of a Python-reducer DDP's idle C++ reducer (marked by
-    the tracer); anything else that calls Python may read any."""
+    (a gradient accumulated by stealing has no later use), an accumulation writes its own
+    leaf's, and the C++ hooks of a Python-reducer DDP's idle C++ reducer (marked by the
+    tracer) do nothing; anything else that calls Python may read any."""
     if node.op in ("placeholder", "get_attr"):
         return True
     if node.op != "call_function":
