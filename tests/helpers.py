@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import torch
 
@@ -199,6 +200,24 @@ def gloo_group(rank: int, world: int, port: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def backward(loss, under_gradfx: bool, backend="eager") -> None:
+    """``loss.backward()``: on the eager engine, or under gradfx, where falling back is an error."""
+    if not under_gradfx:
+        loss.backward()
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradfx.FallbackWarning)
+        with gradfx.compiled_autograd(backend):
+            loss.backward()
+
+
+def case_backend(case: dict):
+    """The backend a distributed test case names: ``"gm"`` is a user's own backend (the
+    graph module itself, so the form compilers trace), any other name a built-in one."""
+    backend = case.get("backend", "eager")
+    return (lambda gm, example_inputs: gm) if backend == "gm" else backend
 
 
 def record_cases(results, rank: int, cases: dict, run) -> None:

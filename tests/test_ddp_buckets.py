@@ -11,13 +11,12 @@ gradfx, and on every step and rank:
 * no fallback warning (the block is strict about it).
 """
 
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import gloo_group, record_cases, spawn_ranks
+from helpers import backward, case_backend, gloo_group, record_cases, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -83,9 +82,7 @@ class _Counted:
 
 def _run_case(rank, case):
     import gradfx
-    backend = case.get("backend", "eager")
-    if backend == "gm":
-        backend = lambda gm, example_inputs: gm  # noqa: E731  (a user's backend: the traceable form)
+    backend = case_backend(case)
     runs = {}
     for under_gradfx in (False, True):
         seen, collectives = [], []
@@ -99,13 +96,7 @@ def _run_case(rank, case):
             with (model.no_sync() if not sync else torch.enable_grad()):
                 loss = model(x).square().sum()
                 with _Counted() as counted:
-                    if under_gradfx:
-                        with warnings.catch_warnings():
-                            warnings.simplefilter("error", gradfx.FallbackWarning)
-                            with gradfx.compiled_autograd(backend):
-                                loss.backward()
-                    else:
-                        loss.backward()
+                    backward(loss, under_gradfx, backend)
             collectives.append(tuple(counted.counts))
             seen.append([p.grad.clone() for p in model.module.parameters()])
         runs[under_gradfx] = (seen, collectives)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import gloo_group, record_cases, spawn_ranks
+from helpers import backward, case_backend, gloo_group, record_cases, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -86,9 +86,7 @@ def _step(model, events, x, use_spare, racy):
 
 def _run_case(rank, case):
     import gradfx
-    backend = case.get("backend", "eager")
-    if backend == "gm":
-        backend = lambda gm, example_inputs: gm  # noqa: E731  (a user's backend: the traceable form)
+    backend = case_backend(case)
     runs = {}
     for under_gradfx in (False, True):
         events = []
@@ -108,13 +106,8 @@ def _run_case(rank, case):
                         warnings.simplefilter("ignore", gradfx.FallbackWarning)
                         with gradfx.compiled_autograd(backend):
                             loss.backward()
-                elif under_gradfx and rank in case.get("gradfx_ranks", (0, 1)):
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("error", gradfx.FallbackWarning)
-                        with gradfx.compiled_autograd(backend):
-                            loss.backward()
                 else:
-                    loss.backward()
+                    backward(loss, under_gradfx and rank in case.get("gradfx_ranks", (0, 1)), backend)
             events.append(("grads", [None if p.grad is None else p.grad.tolist() for p in model.module.parameters()]))
         runs[under_gradfx] = events
     return {"eager": runs[False], "gradfx": runs[True], "stats": gradfx.stats()}

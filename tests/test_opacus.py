@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import gradfx
+from helpers import backward
 
 opacus = pytest.importorskip("opacus")
 
@@ -53,13 +54,7 @@ def _train(under_gradfx: bool):
         torch.manual_seed(100 + step)  # the noise opacus draws
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(ids), target)
-        if under_gradfx:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", gradfx.FallbackWarning)
-                with gradfx.compiled_autograd():
-                    loss.backward()
-        else:
-            loss.backward()
+        backward(loss, under_gradfx)
         seen.append([p.grad_sample.clone() for p in model.parameters()])
         optimizer.step()
         seen.append([p.detach().clone() for p in model.parameters()])
