@@ -33,13 +33,41 @@ class Net(nn.Module):
         return self.head(self.encoder(x))
 
 
+class MaybeNone(torch.autograd.Function):
+    """Identity whose backward returns None while ``drop`` is set: the graph, traced with a
+    gradient there, stops at run time and the rest of the backward runs node by node."""
+    drop = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None if MaybeNone.drop else grad
+
+
+class Branches(nn.Module):
+    """``b`` and the head reduce before the stop, ``a`` (behind MaybeNone) after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = MaybeNone.apply(self.a(x))
+        return self.head(torch.relu(self.b(x)) + h)
+
+
 def _build(case, seen):
     import torch._inductor.config as inductor_config
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     saved = (inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size)
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
-        model = DDP(Net(), **case.get("ddp", {}))
+        model = DDP(Branches() if case.get("stop") else Net(), **case.get("ddp", {}))
     inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size = saved
     if case.get("user_hook"):
         # on a middle parameter, after DDP's own hook: it sees every .grad DDP has reduced so far
@@ -93,12 +121,13 @@ def _run_case(rank, case):
             sync = not (case.get("no_sync") and it == 0)
             if sync and it != 1:  # no_sync: the synced step adds to the step before
                 model.zero_grad()
+            MaybeNone.drop = case.get("stop", False) and it == 1
             with (model.no_sync() if not sync else torch.enable_grad()):
                 loss = model(x).square().sum()
                 with _Counted() as counted:
                     backward(loss, under_gradfx, backend)
             collectives.append(tuple(counted.counts))
-            seen.append([p.grad.clone() for p in model.module.parameters()])
+            seen.append([None if p.grad is None else p.grad.clone() for p in model.module.parameters()])
         runs[under_gradfx] = (seen, collectives)
     (eager, eager_collectives), (captured, gradfx_collectives) = runs[False], runs[True]
     return {"equal": len(eager) == len(captured) and all(_same(a, b) for a, b in zip(eager, captured)),
@@ -121,6 +150,9 @@ CASES = {
     "comm_hook": {"comm_hook": True},
     "users_backend": {"backend": "gm"},
     "aot_eager": {"backend": "aot_eager", "ddp": {"bucket_cap_mb": 0.004}},
+    # the graph stops in the second step (a custom backward's None): what is bucketed
+    # before the stop is reduced before the rest runs node by node
+    "stop": {"stop": True},
 }
 THREE_RANK_CASES = {"buckets": CASES["buckets"]}
 
@@ -141,7 +173,10 @@ def _check_common(results, name, world):
         assert "error" not in got, got.get("error")
         assert got["equal"], f"rank {rank}: gradients (or what a hook saw) differ from eager's"
         stats = got["stats"]
-        assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
+        if name == "stop":  # the stop teaches the cache that the custom backward may give None
+            assert stats["fallbacks"] == 0 and stats["captures"] + stats["cache_hits"] == STEPS, stats
+        else:
+            assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
         if name not in ("no_sync", "comm_hook"):
             assert got["eager_collectives"] == [(0, got["params"])] * STEPS, got["eager_collectives"]
     # the reducer did reduce: every rank ends with the same gradients
