@@ -25,6 +25,7 @@ accumulations after it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 import time
@@ -149,7 +150,9 @@ class _Graph:
     def __init__(self, compile_region, python_code, name: str, part: str, dynamic: bool = False):
         self.compile_region, self.python_code, self.name = compile_region, python_code, name
         self.part = part  # what the log calls a region
-        self.dynamic = dynamic  # a graph of symbolic sizes: its sized regions compile for all sizes
+        # a graph of symbolic sizes: its sized regions compile for all sizes, where the
+        # compile function can (it takes ``dynamic``)
+        self.dynamic = dynamic and "dynamic" in inspect.signature(compile_region).parameters
         self.warned = False
         self.compiled: dict = {}
 
@@ -216,7 +219,7 @@ class _Region:
         return fn
 
     def _compile_general(self, examples: list):
-        """Code for all sizes, or None where the compiler cannot (then: for these sizes)."""
+        """Code for all sizes, or None where the compiler fails to (then: for these sizes)."""
         try:
             return _General(*self.graph.compile_region(self.gm, examples, dynamic=True))
         except Exception as err:  # noqa: BLE001
