@@ -102,27 +102,24 @@ class _DropsUnusedInputs(_BoxedCodeGen):
         return "\n".join(lines)
 
 
-def _functionalized(pure: fx.GraphModule, example_inputs: list, dynamic: bool = False) -> fx.GraphModule:
-    """The region without mutations, in inductor's decompositions.  ``dynamic``: traced on
-    fakes whose sizes are symbols where the captured graph's are (:func:`_symbolic_fakes`);
-    the placeholders' values keep that shape environment, whose guards say for which
-    inputs the code holds."""
+def _functionalized(pure: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
+    """The region without mutations, in inductor's decompositions, traced on
+    ``example_inputs`` (real tensors, or :func:`_symbolic_fakes` for code of all sizes)."""
     # Views stay views: a region's outputs keep eager's layouts, which the regions after
     # it were compiled for and which accumulate_grad's steal needs.
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
-    inputs = _symbolic_fakes(pure, example_inputs) if dynamic else example_inputs
     functional = make_fx(torch.func.functionalize(pure, remove="mutations"), decomposition_table=select_decomp_table(),
-                         tracing_mode="fake")(*inputs)
+                         tracing_mode="fake")(*example_inputs)
     # make_fx keeps a shape environment on the module, which inductor's FX graph cache
     # cannot pickle into a key (it bypasses the cache).  Inductor finds it where this says
-    # None: on the placeholders' values.
+    # None: on the inputs' fakes.
     functional.shape_env = None
     return functional
 
 
-def _symbolic_fakes(pure: fx.GraphModule, example_inputs: list) -> list:
-    """Fakes of the region's inputs in a shape environment of their own: a size is a symbol
+def _symbolic_fakes(pure: fx.GraphModule, example_inputs: list) -> tuple:
+    """(fakes of the region's inputs, their fake mode), in a shape environment of their own: a size is a symbol
     where the captured graph's is one (its placeholders' values say), an int input too;
     every other size stays the int it is (a model's widths: static code, fewer guards).
     Each symbol is fresh: two sizes equal here only by chance (a sequence length and a
@@ -147,23 +144,15 @@ def _symbolic_fakes(pure: fx.GraphModule, example_inputs: list) -> list:
                 shape_env.create_symbol(x, source, dynamic_dim=DimDynamic.DYNAMIC), hint=x, source=source))
         else:
             fakes.append(x)
-    return fakes
+    return fakes, mode
 
 
-def _traced_inputs(functional: fx.GraphModule, example_inputs: list) -> list:
-    """What the trace saw of each input: its fake, or the value itself (an int it kept)."""
-    return [n.meta.get("val", x) for n, x in zip(functional.graph.find_nodes(op="placeholder"), example_inputs)]
-
-
-def _guard(traced_inputs: list):
-    """``holds(inputs) -> bool``: do the guards of the shape environment the region was
-    traced and compiled in hold for these inputs (sizes, strides, ints)?"""
-    from torch._guards import detect_fake_mode
-    fake_mode = detect_fake_mode(traced_inputs)
-    symbolic = [x for x in traced_inputs if isinstance(x, torch.SymInt)]
-    shape_env = fake_mode.shape_env if fake_mode is not None else symbolic[0].node.shape_env if symbolic else None
-    # Static sizes too: the code assumed them
-    code = shape_env.produce_guards_expression(traced_inputs, ignore_static=False) if shape_env is not None else None
+def _guard(fakes: list, mode):
+    """``holds(inputs) -> bool``: do the guards of the shape environment of these
+    :func:`_symbolic_fakes`, which the region was traced and compiled in, hold for these
+    inputs (sizes, strides, ints; the static sizes too: the code assumed them)?"""
+    shape_env = mode.shape_env
+    code = shape_env.produce_guards_expression(fakes, ignore_static=False)
     if not code:
         return lambda inputs: True
     return lambda inputs: shape_env.evaluate_guards_expression(code, inputs)
@@ -188,16 +177,16 @@ def _split_backend(name: str, compile_region):
 
 
 def _inductor_compile(pure: fx.GraphModule, example_inputs: list, dynamic: bool = False):
-    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     start = time.perf_counter()
-    functional = _functionalized(pure, example_inputs, dynamic)
-    if dynamic:  # the symbolic trace's own fakes and shape environment: code for every size
-        fakes = _traced_inputs(functional, example_inputs)
-        fake_mode = detect_fake_mode(fakes)
+    if dynamic:  # fakes of symbolic sizes, in their own shape environment: code for every size
+        fakes, fake_mode = _symbolic_fakes(pure, example_inputs)
+        functional = _functionalized(pure, fakes)
     else:
+        functional = _functionalized(pure, example_inputs)
         # Inductor's FX graph cache keys a graph with the guards of its shape environment and
         # bypasses a compile that has none: a tracing context with one (static: every size
         # is an int here) lets a later process load the compiled region instead of compiling it.
@@ -211,7 +200,7 @@ def _inductor_compile(pure: fx.GraphModule, example_inputs: list, dynamic: bool 
         compiled = compile_fx_inner(functional, fakes)
     log.info("gradfx: inductor compiled %s of %d fx nodes in %.2f s (FX graph cache %s)",
              what, len(functional.graph.nodes), time.perf_counter() - start, cache.outcome)
-    return (compiled, _guard(fakes)) if dynamic else compiled
+    return (compiled, _guard(fakes, fake_mode)) if dynamic else compiled
 
 
 class _FxCacheOutcome(logging.Filter):
@@ -258,8 +247,9 @@ class _FxCacheOutcome(logging.Filter):
 
 
 def _aot_eager_compile(pure: fx.GraphModule, example_inputs: list, dynamic: bool = False):
-    functional = _functionalized(pure, example_inputs, dynamic)
-    holds = _guard(_traced_inputs(functional, example_inputs)) if dynamic else None
+    inputs, mode = _symbolic_fakes(pure, example_inputs) if dynamic else (example_inputs, None)
+    functional = _functionalized(pure, inputs)
+    holds = _guard(inputs, mode) if dynamic else None
     functional.graph.set_codegen(_BoxedCodeGen())
     functional.recompile()
     return (functional.forward, holds) if dynamic else functional.forward

@@ -33,9 +33,9 @@ def region_compiles(monkeypatch):
     seen = []
     functionalized = builtin._functionalized
 
-    def counted(gm, example_inputs, dynamic=False):
+    def counted(gm, example_inputs):
         seen.append(gm)
-        return functionalized(gm, example_inputs, dynamic)
+        return functionalized(gm, example_inputs)
     monkeypatch.setattr(builtin, "_functionalized", counted)
     return seen
 
