@@ -7,13 +7,12 @@ test_ddp_reducer has them captured); with the Python reducer its hooks are captu
 
 import os
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import spawn_ranks
+from helpers import gloo_group, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -48,9 +47,8 @@ def _compare_steps(rank, eager_model, gfx_model, full, steps=3) -> dict:
 
 def _worker(rank, world, port, python_reducer, results):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GRADFX_NATIVE="0")  # before gradfx loads
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    os.environ["GRADFX_NATIVE"] = "0"  # before gradfx loads its compiled part
+    with gloo_group(rank, world, port):
         if python_reducer:
             torch._dynamo.config.optimize_ddp = "python_reducer"
         torch.manual_seed(0)
@@ -61,8 +59,6 @@ def _worker(rank, world, port, python_reducer, results):
         out = _compare_steps(rank, eager_model, gfx_model, lambda g: g)
         out["grad0"] = gfx_model.module[0].weight.grad.flatten()[:3].tolist()
         results[rank] = out
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(python_reducer):
@@ -91,9 +87,7 @@ def test_ddp_python_reducer_is_captured():
 def _fsdp_worker(rank, world, port, results):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world, port):
         mesh = init_device_mesh("cpu", (world,))
         models = []
         for _ in range(2):
@@ -104,8 +98,6 @@ def _fsdp_worker(rank, world, port, results):
             models.append(m)
         eager_model, gfx_model = models
         results[rank] = _compare_steps(rank, eager_model, gfx_model, lambda g: g.full_tensor())
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_gradients_equal_eager():
