@@ -2,9 +2,12 @@
 captured, not sent to the eager engine, with eager's gradients bitwise and its hook
 calls.
 
-The nodes a DTensor reaches (a DTensor leaf's accumulator, a node taking a DTensor's
-gradient, DTensor's own Functions) run as themselves inside the captured graph; the
-rest is traced.  One spawn runs every case; each test reads its own.
+The nodes a DTensor reaches (a node taking a DTensor's gradient or holding a saved
+DTensor, DTensor's own Functions) are traced through it: the graph computes on the local
+shards, DTensor's redistributions become functional collectives in it, and a DTensor
+leaf's real accumulator takes the gradient rebuilt as the DTensor eager hands it.  Under
+symbolic sizes they run as themselves.  One spawn runs every case; each test reads its
+own.
 """
 
 import warnings
@@ -153,7 +156,7 @@ if torch.__version__ >= "2.12":  # on 2.11 eager TP fails on the layer (a view f
     MODELS["transformer_encoder_layer"] = _encoder_layer
 
 
-def _run(build, mesh, rank, under_gradfx, backend):
+def _run(build, mesh, rank, under_gradfx, backend, graphs=None):
     import gradfx
     torch.manual_seed(0)
     model, shape = build(mesh)
@@ -172,8 +175,9 @@ def _run(build, mesh, rank, under_gradfx, backend):
             with warnings.catch_warnings():
                 # no fallback to the engine (a compiler with nothing to compile says so: allowed)
                 warnings.filterwarnings("error", message=".*on the eager engine", category=gradfx.FallbackWarning)
-                with gradfx.compiled_autograd(backend):
+                with gradfx.compiled_autograd(backend) as session:
                     loss.backward()
+            graphs += session.graphs
         else:
             loss.backward()
         # Each gradient's local shard and its placements (a Partial gradient copied where eager
@@ -188,13 +192,19 @@ def _compare(build, mesh, rank, backend) -> dict:
     import gradfx
     eager, eager_calls = _run(build, mesh, rank, False, backend)
     gradfx.reset()
-    got, got_calls = _run(build, mesh, rank, True, backend)
-    same = torch.equal if backend == "eager" else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    graphs = []
+    got, got_calls = _run(build, mesh, rank, True, backend, graphs)
+    first = graphs[0]
+    ops = {str(n.target) for n in first.graph_module.graph.nodes if n.op == "call_function"}
+    same = torch.equal if backend == "eager" else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
     return {"equal": all(same(a, b) and pa == pb for ws, gs in zip(eager, got) for (a, pa), (b, pb) in zip(ws, gs)),
             "calls": eager_calls == got_calls if backend == "eager" else
             [c if isinstance(c, str) else c[0] for c in eager_calls] ==
             [c if isinstance(c, str) else c[0] for c in got_calls],
-            "stats": gradfx.stats()}
+            "stats": gradfx.stats(),
+            # the first capture's (static): what runs as itself, the collectives traced
+            "opaque": sorted({label.split()[0] for label in first.opaque_nodes}),
+            "collectives": sorted(op for op in ops if "_c10d_functional" in op)}
 
 
 def _worker(rank, world, port, results):
@@ -225,6 +235,35 @@ def test_tensor_parallel_backward_is_captured_as_eager(results, name, backend):
         captures = 2 if name == "mlp_new_batch_sizes" else 1  # one more for the new size, then symbolic
         assert stats["fallbacks"] == 0 and stats["captures"] == captures, stats
         assert stats["cache_hits"] == STEPS - captures, stats
+        # traced through DTensor: only the DTensor leaves' own accumulators are called
+        assert got["opaque"] == ["torch::autograd::AccumulateGrad"], got["opaque"]
+        if name in ("attention_and_mlp", "sequence_parallel_norms", "transformer_encoder_layer"):
+            # the input gradients of the colwise projections are partial sums: all-reduced
+            # (sequence parallelism: reduce-scattered), as ops of the graph
+            assert got["collectives"], got
+
+
+def _worker_inductor(rank, world, port, results):
+    from gradfx.capture import native
+    assert native.wait() is not None, native.reason()
+    from torch.distributed.device_mesh import init_device_mesh
+    with gloo_group(rank, world, port):
+        mesh = init_device_mesh("cpu", (world,))
+        for name in ("attention_and_mlp", "sequence_parallel_norms"):
+            record_case(results, (name, rank), lambda: _compare(MODELS[name], mesh, rank, "inductor"))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_compiles_with_inductor():
+    """Traced through DTensor, the graph is aten ops and functional collectives on the local
+    shards, which inductor compiles whole: nothing runs uncompiled."""
+    results = spawn_ranks(_worker_inductor, 2)
+    for (name, rank), got in results.items():
+        assert "error" not in got, got.get("error")
+        assert got["equal"] and got["calls"], (name, rank)
+        stats = got["stats"]
+        assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["uncompiled"] == 0, (name, stats)
+        assert got["opaque"] == ["torch::autograd::AccumulateGrad"] and got["collectives"], got
 
 
 # -- 2-D: tensor parallelism inside FSDP2, 4 ranks on a 2 x 2 mesh ---------------------

@@ -25,12 +25,11 @@ import threading
 from functools import cached_property, partial
 
 from .. import native
-from . import distributed, hidden, hooks, walk_program
+from . import distributed, hidden, hooks, subclasses, walk_program
 from .kinds import (ACCUMULATE, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
-                    function_materializes, hidden_state, kind_of, stream_ok, subclass_grads, traced_ctx_key,
-                    value_key)
-from .saved import (ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks, leave_to_node, readable,
-                    subclass_saved)
+                    function_materializes, hidden_state, kind_of, saved_layout_id, stream_ok, subclass_grads,
+                    traced_ctx_key, value_key)
+from .saved import (ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks, leave_to_node, readable)
 from .walk import BackwardCall, root_edge
 
 
@@ -156,7 +155,7 @@ def generate(call: BackwardCall, tensors, structure):
     code = "def fast_walk(tensors, grads, inputs, accumulate):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, traced_ctx_key=traced_ctx_key,
                      materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched, HeldByNode=getattr(native.module(), "HeldByNode", None),
-                     ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks, subclass_saved=subclass_saved,
+                     ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks, saved_layout_id=saved_layout_id, layout_id=subclasses.layout_id,
                      leave_to_node=leave_to_node, subclass_grads=subclass_grads,
                      partial=partial, stream_ok=stream_ok, hidden_state=hidden_state, native_metas=_native('metas'), native_tensor=_native('tensor'),
                      native_structure=_native('structure'), native_saved=_native('saved'),

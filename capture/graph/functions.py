@@ -33,12 +33,26 @@ def promised_traceable(function_class) -> bool:
     promise ``traceable`` asks for; custom ops it calls stay calls of those ops."""
     if getattr(function_class, "_gradfx_traceable", False):
         return True
-    return (function_class.__module__ == _CUSTOM_OP_AUTOGRAD
-            and function_class.__name__.startswith("GeneratedBackwardFor_"))
+    return ((function_class.__module__ == _CUSTOM_OP_AUTOGRAD
+             and function_class.__name__.startswith("GeneratedBackwardFor_"))
+            or dtensor_function(function_class))
+
+
+def dtensor_function(node_or_function_class) -> bool:
+    """Is this one of DTensor's own Functions (or its backward node's type)?"""
+    cls = getattr(node_or_function_class, "_forward_cls", node_or_function_class)
+    return (cls.__module__, cls.__name__) in _DTENSOR_FUNCTIONS
 
 
 # Where torch.library builds a custom op's autograd.Function (torch 2.11-2.14).
 _CUSTOM_OP_AUTOGRAD = "torch._library.autograd"
+
+# DTensor's own Functions (to_local, from_local, redistribute; torch 2.11-2.14): their
+# backwards wrap, unwrap and redistribute DTensor gradients, with no state but their
+# ctx, which the tracer traces through (graph.subclasses).
+_DTENSOR_FUNCTIONS = frozenset({("torch.distributed.tensor._api", "_ToTorchTensor"),
+                                ("torch.distributed.tensor._api", "_FromTorchTensor"),
+                                ("torch.distributed.tensor._redistribute", "Redistribute")})
 
 
 _orig_set_materialize_grads = FunctionCtx.set_materialize_grads

@@ -28,11 +28,11 @@ from torch.autograd.function import BackwardCFunction
 
 from .. import native
 from ..errors import _Fallback
-from .functions import promised_traceable
-from . import hidden, hooks, regions
+from .functions import dtensor_function, promised_traceable
+from . import hidden, hooks, regions, subclasses
 from .run_real import RUN_REAL
-from .saved import (ForeignHooks, ForeignOwned, Origin, SubclassSaved, Untouched, leave_to_node, plain_type,
-                    readable, subclass_saved, take_saved, unreadable)
+from .saved import (ForeignHooks, ForeignOwned, Origin, SubclassSaved, Untouched, foreign_hooks, leave_to_node,
+                    plain_type, readable, saved_layouts, take_saved, unreadable)
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
@@ -405,8 +405,10 @@ def emit_hidden(src, i: int, rec: NodeRecord) -> None:
                     f"{src.const(layout)}")
 
 
-def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> bool:
-    """Take the node's saved tensors over as inputs; False if the user's hooks own them."""
+def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo, subclasses_too: bool = False) -> bool:
+    """Take the node's saved tensors over as inputs; False if the user's hooks own them, or
+    if one is a tensor subclass (True for a builtin node, ``subclasses_too``: its saved
+    values are left to it and the graph reads them as it runs, see walk_subclass_saved)."""
     try:
         owned, mask, values = take_saved(node, info.raw_saved, info.saved_tensors)
     except ForeignHooks:
@@ -414,13 +416,13 @@ def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> bool:
         w.owned[i] = ForeignOwned(node)  # released after the backward as the engine would
         return False
     except SubclassSaved as found:
-        # The node runs as itself, on its saved subclass tensors; what it hands on is
-        # checked where a traced formula takes it (a subclass gradient stops the graph
-        # there, and the rest of the backward runs node by node: run.continuation).
-        w.key.append((OPAQUE, found.types))
-        w.owned[i] = leave_to_node(node, info.raw_saved)
-        rec.subclass = str(found)
-        return False
+        rec.subclass = f"a tensor subclass ({found}) among the saved tensors"
+        if subclasses_too:
+            walk_subclass_saved(w, rec, i, node, info)
+        else:  # a custom Function: it runs as itself
+            w.key.append((OPAQUE, found.types))
+            w.owned[i] = leave_to_node(node, info.raw_saved)
+        return subclasses_too
     w.owned[i] = owned
     w.key.append(mask)
     positions = []
@@ -430,6 +432,39 @@ def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> bool:
         w.key.append(w.tensor(t, pos, "among the saved tensors", node))
     rec.saved = tuple(positions)
     return True
+
+
+def walk_subclass_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> None:
+    """A builtin node a tensor subclass reaches (saved, or its gradients): its saved
+    variables are left to it.  The tracer traces the node through the subclass where it
+    can: the graph then reads them from the node when it runs (runtime_ops.ReadSaved), and
+    is valid for their layouts and contexts (a DTensor's placements and global shape).
+    Those are one more size (SUBCLASS_LAYOUTS, an id: subclasses.layout_id), not part of
+    the key: a static graph is found by its sizes, that one included, while a symbolic
+    graph, where such nodes run as themselves, holds for any (its symbol unused).  Where
+    the tracer cannot, the node runs as itself; what it hands on is checked where a traced
+    formula takes it (a subclass gradient stops the graph there, and the rest of the
+    backward runs node by node: run.continuation)."""
+    w.key.append("subclass")
+    w.owned[i] = leave_to_node(node, info.raw_saved)
+    rec.values[SUBCLASS_LAYOUTS] = (len(w.sizes), None)
+    w.sizes.append(saved_layout_id(node, info.raw_saved, info.saved_tensors))
+
+
+SUBCLASS_LAYOUTS = "_saved_subclass_layouts"  # the NodeRecord.values slot of a subclass node's layouts
+
+
+def saved_layout_id(node, raw_attrs: tuple, tensor_attrs: tuple, a_subclass: bool = False) -> int | None:
+    """The id of the layouts of the node's saved values (subclasses.layout_id); the id of
+    None where the user's saved-tensor hooks hold them (unpacking here would run them: the
+    node runs as itself).  With ``a_subclass``: None unless one of them is a subclass
+    (a cache-hit walker's check, for a node the capture found had one saved)."""
+    if foreign_hooks(node, raw_attrs):  # (a node that saved a subclass under them is walked otherwise)
+        return None if a_subclass else subclasses.layout_id(None)
+    layouts = saved_layouts(node, tensor_attrs)
+    if a_subclass and all(layout is None or plain_type(layout[0]) for layout in layouts):
+        return None
+    return subclasses.layout_id(layouts)
 
 
 def leave_saved(w: Walk, i: int, node) -> bool:
@@ -711,14 +746,13 @@ class TracedKind:
             walk_hidden(w, rec, node)
         kind = TRACED
         if subclass_grads(node):
-            # Gradients of a tensor subclass (DTensor's, under tensor parallelism): the
-            # node runs as itself, its saved tensors left to it.
-            w.key.append((OPAQUE, SUBCLASS_GRADS))
+            # Gradients of a tensor subclass (DTensor's, under tensor parallelism): traced
+            # through the subclass where the tracer can, else the node runs as itself.
+            w.key.append(SUBCLASS_GRADS)
             if info.raw_saved:
-                w.owned[i] = leave_to_node(node, info.raw_saved)
+                walk_subclass_saved(w, rec, i, node, info)
             rec.subclass = SUBCLASS_GRADS
-            kind = OPAQUE
-        elif info.raw_saved and not walk_saved(w, rec, i, node, info):
+        elif info.raw_saved and not walk_saved(w, rec, i, node, info, subclasses_too=True):
             kind = OPAQUE
         # The node itself is an input too: it runs opaquely if it cannot be traced on
         # fake tensors (and a placeholder nobody uses costs nothing).
@@ -733,12 +767,13 @@ class TracedKind:
             emit_hidden(src, i, call.records[i])
         if call.records[i].subclass == SUBCLASS_GRADS:
             src.bail_unless(f"subclass_grads(n{i})")
-        elif type(call.owned[i]) is ForeignOwned:  # under the user's saved-tensor hooks: opaque
+        if type(call.owned[i]) is ForeignOwned:  # under the user's saved-tensor hooks: opaque
             src.bail_unless(f"foreign_hooks(n{i}, {src.const(info.raw_saved)})")
-        elif type(call.owned[i]) is Untouched:  # tensor subclasses saved: opaque
-            types = subclass_saved(node, info.saved_tensors)
-            src.bail_unless(f"not foreign_hooks(n{i}, {src.const(info.raw_saved)}) and "
-                            f"subclass_saved(n{i}, {src.const(info.saved_tensors)}) == {src.const(types)}")
+        elif type(call.owned[i]) is Untouched:  # a tensor subclass reaches it: saved values left to it
+            src.emit(f"x = saved_layout_id(n{i}, {src.const(info.raw_saved)}, {src.const(info.saved_tensors)}, "
+                     f"{call.records[i].subclass != SUBCLASS_GRADS})")
+            src.bail_unless("x is not None")
+            src.emit("sizes.append(x)")
         elif info.raw_saved:
             emit_saved_check(src, i, node, info, call)
         src.hook_lists[i] = emit_hooks(src, i, call.records[i], None)
@@ -767,7 +802,10 @@ class FunctionKind:
         traceable = baked is not None
         w.key.append((node.needs_input_grad, function_materializes(node), traceable))
         walk_metas(w, rec, node)
-        if traceable:
+        if traceable and dtensor_function(type(node)):  # its ctx holds global sizes: see walk_subclass_saved
+            rec.values[SUBCLASS_LAYOUTS] = (len(w.sizes), None)
+            w.sizes.append(subclasses.layout_id(baked))
+        elif traceable:
             w.key.append(baked)
             ints = region_ints(node)
             if ints is not None:  # a compiled region's saved sizes
@@ -791,7 +829,10 @@ class FunctionKind:
                         f"and materializes(n{i}) is {function_materializes(node)}")
         emit_metas(src, f"n{i}", node)
         if is_traceable(type(node)):
-            src.bail_unless(f"traced_ctx_key(n{i}) == {src.const(traced_ctx_key(node))}")
+            if dtensor_function(type(node)):
+                src.emit(f"sizes.append(layout_id(traced_ctx_key(n{i})))")
+            else:
+                src.bail_unless(f"traced_ctx_key(n{i}) == {src.const(traced_ctx_key(node))}")
             if REGION_INTS in call.records[i].values:
                 src.emit(f"sizes += n{i}.symints")  # ints, as many as the key says
         owner = call.owned[i]

@@ -32,6 +32,7 @@ import torch
 
 from .. import native, torch_releases
 from ..errors import _Fallback
+from . import subclasses
 from .unpacked import planned
 
 FREED_MESSAGE = (
@@ -308,22 +309,29 @@ class ForeignHooks(Exception):
 
 
 class SubclassSaved(Exception):
-    """A saved tensor of this node is a tensor subclass: the node runs as itself, its saved
-    variables left to it (``Untouched``); ``types`` are the saved values' types."""
+    """A saved tensor of this node is a tensor subclass: its saved variables are left to it
+    (``Untouched``) and the graph reads them when the node runs; ``types`` are the saved
+    values' types."""
 
     def __init__(self, types: tuple):
         super().__init__(", ".join(sorted({t.__name__ for t in types if t is not None and t is not torch.Tensor})))
         self.types = types
 
 
-def subclass_saved(node, tensor_attrs: tuple):
-    """The types of the node's saved values (None for an undefined one) if one is a tensor
-    subclass, else None: what take_saved raises SubclassSaved with."""
-    return _subclass_types([getattr(node, attr) for attr in tensor_attrs])
+def saved_layouts(node, tensor_attrs: tuple) -> tuple:
+    """Per saved value of the node (lists flattened), its :func:`subclasses.layout`, None
+    for an undefined one: what a graph traced through a subclass bakes in of them."""
+    found = []
+    for attr in tensor_attrs:
+        values = getattr(node, attr)
+        for value in (values if type(values) is tuple else (values,)):
+            found.append(None if value is None else subclasses.layout(value))
+    return tuple(found)
 
 
 def _subclass_types(unpacked: list):
-    """:func:`subclass_saved` of the values unpacked (reading ``type()`` runs no user code)."""
+    """The types of the values unpacked (None for an undefined one) if one is a tensor
+    subclass, else None (reading ``type()`` runs no user code)."""
     types = []
     for values in unpacked:
         for value in (values if type(values) is tuple else (values,)):
@@ -342,7 +350,7 @@ def leave_to_node(node, raw_attrs: tuple) -> Untouched:
     return Untouched(tuple(variables))
 
 
-def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
+def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...], subclasses_too: bool = False):
     """Own the saved tensors of ``node``: (SavedTensors, defined-mask, tensors).
 
     ``raw_attrs`` lists the node type's ``_raw_saved_*`` attributes (one
@@ -351,7 +359,9 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     ``tensors`` are the defined ones as the node unpacks them.  Raises eager's own
     RuntimeError if the saved tensors were freed or modified in place,
     ForeignHooks if the user's saved-tensor hooks own them, SubclassSaved if one is a
-    tensor subclass (before any is taken: sealing reads their versions).
+    tensor subclass (before any is taken: sealing reads their versions), unless
+    ``subclasses_too`` (the tracer, substituting fakes for a node whose saved subclass
+    values the graph reads at run time).
     """
     owned = SavedTensors()
     mask = []
@@ -363,19 +373,20 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...]):
     raws = [getattr(node, raw_attr) for raw_attr in raw_attrs]
     hooked = first_hooked(raws, tensor_attrs)
     if hooked is not None:
-        return _adopt(node, *hooked, raw_attrs, tensor_attrs)
+        return _adopt(node, *hooked, raw_attrs, tensor_attrs, subclasses_too)
     # Unpacking without hooks runs eager's check that the tensor was not modified in
     # place since it was saved (and raises eager's error); once hooks are registered
     # the engine no longer checks.  Every variable is checked before any is taken: a
     # failing check leaves the node as it was, and the next backward raises again.
     unpacked = [getattr(node, attr) for attr in tensor_attrs]
     types = _subclass_types(unpacked)
-    if types is not None:
+    if types is not None and not subclasses_too:
         raise SubclassSaved(types)
-    for values in unpacked:
-        for value in (values if type(values) is tuple else (values,)):
-            if value is not None:
-                readable(value, "among the saved tensors", node)
+    if types is None:
+        for values in unpacked:
+            for value in (values if type(values) is tuple else (values,)):
+                if value is not None:
+                    readable(value, "among the saved tensors", node)
     for raw, values in zip(raws, unpacked):
         grouped |= type(raw) is tuple
         group = raw if type(raw) is tuple else (raw,)
@@ -411,8 +422,10 @@ def foreign_hooks(node, raw_attrs: tuple) -> bool:
     return hooked is not None and not is_ours(hooked[0].unpack_hook) and not node.metadata.get(RELEASED_KEY)
 
 
-def _adopt(node, var, attr, raw_attrs, tensor_attrs):
-    """The saved variables already have hooks: an earlier gradfx run's, or the user's."""
+def _adopt(node, var, attr, raw_attrs, tensor_attrs, subclasses_too=False):
+    """The saved variables already have hooks: an earlier gradfx run's, or the user's.  An
+    earlier trace through a tensor subclass hooked them too: they stay the node's
+    (SubclassSaved) unless ``subclasses_too``."""
     if not is_ours(var.unpack_hook):
         if node.metadata.get(RELEASED_KEY):  # released by an earlier backward (ForeignOwned)
             raise RuntimeError(FREED_MESSAGE)
@@ -427,6 +440,9 @@ def _adopt(node, var, attr, raw_attrs, tensor_attrs):
         _substitution.probe = False
     if owned.released:
         raise RuntimeError(FREED_MESSAGE)
+    types = _subclass_types([tuple(owned.tensors)])
+    if types is not None and not subclasses_too:
+        raise SubclassSaved(types)
     owned.check_versions()
     # As the node unpacks them (through gradfx's hook): with their autograd history,
     # which a create_graph backward's graph needs.

@@ -45,7 +45,7 @@ def plan(call, structure_plan: tuple):
         rec = records[i]
         foreign = type(call.owned[i]) is ForeignOwned  # walked as OPAQUE: the user's hooks hold its tensors
         native_post = rec.hooks is not None and rec.hooks.key() == NATIVE_POST_ONLY
-        if not rec.runs or (rec.hooks is not None and not native_post) or \
+        if not rec.runs or (rec.hooks is not None and not native_post) or rec.subclass is not None or \
                 (rec.kind not in (ACCUMULATE, TRACED) and not foreign):
             return None
         spec, info = kind_of(node)

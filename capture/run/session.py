@@ -317,11 +317,6 @@ class Session:
                                              symbolic=cache.dynamic_positions.get(structure, ())))
         else:
             explain.log_structure_miss(call)
-        subclassed = [i for i, rec in enumerate(call.records) if rec.subclass]
-        if subclassed:
-            log.info("gradfx: %d nodes run as themselves, where a tensor subclass reaches them (%s): %s",
-                     len(subclassed), "; ".join(sorted({call.records[i].subclass for i in subclassed})),
-                     ", ".join(call.node_label(i) for i in subclassed[:8]) + (", ..." if len(subclassed) > 8 else ""))
         warm_up = getattr(self._config.backend_fn, "_gradfx_warm_up", None)
         if warm_up is not None:  # the backend's process set-up, on a thread, while the capture runs
             warm_up()
@@ -332,7 +327,10 @@ class Session:
                                      compile=self._compile_with_history if call.create_graph else self._compile)
         captured, guard = made.graph, made.guard
         compiled, failed = made.compiled
-        release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE)
+        _say_subclassed(call)
+        # Nodes run as themselves, and those traced through a tensor subclass (the graph
+        # reads their saved values from them), keep their saved tensors until they run.
+        release_after = frozenset(i for i, k in enumerate(call.kinds) if k is OPAQUE or call.records[i].subclass)
         self.graphs.append(captured)
         specs = None
         if call.outputs is not None and (failed is None and not self._config.trusted):
@@ -576,6 +574,19 @@ class Session:
             for i in late:
                 owned[i].release()
         return out
+
+
+def _say_subclassed(call: BackwardCall) -> None:
+    """One INFO line per capture: the nodes a tensor subclass reached that run as themselves
+    (the rest were traced through it)."""
+    reached = [i for i, rec in enumerate(call.records) if rec.subclass]
+    opaque = [i for i in reached if call.kinds[i] is OPAQUE]
+    if opaque:
+        log.info("gradfx: %d of the %d nodes a tensor subclass reaches run as themselves (%s): %s", len(opaque),
+                 len(reached), "; ".join(sorted({call.records[i].subclass for i in opaque})),
+                 ", ".join(call.node_label(i) for i in opaque[:8]) + (", ..." if len(opaque) > 8 else ""))
+    elif reached:
+        log.info("gradfx: the %d nodes a tensor subclass reaches are traced through it", len(reached))
 
 
 def _node_inputs(call: BackwardCall, graph: fx.Graph, sizes: int, everyone: bool) -> tuple:

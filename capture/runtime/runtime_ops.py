@@ -16,7 +16,7 @@ from torch.autograd.variable import Variable
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .. import native
-from ..graph import hooks, saved, unpacked
+from ..graph import hooks, saved, subclasses, unpacked
 from ..graph.saved import release_variables
 from . import hook_ops
 
@@ -272,6 +272,49 @@ class SubclassAccumulation:
                 and _steals(node.variable, grads[0])):
             return _as_node(node, _steal_first_grad, (node.variable, grads[0], self.compiled))
         return call_node(node, metas, must_be_defined, *grads)
+
+
+class ReadSaved:
+    """The saved values of a node traced through a tensor subclass, read from the node as it
+    would unpack them (eager's checks: freed, modified in place), as the plain tensors the
+    graph computes with: a subclass value as its inner tensors (subclasses.flat_inner).
+    The walk checked their layouts and contexts (saved.saved_layouts)."""
+
+    __name__ = "read_saved"
+
+    def __init__(self, attrs: tuple):
+        self.attrs = attrs
+
+    def __call__(self, node) -> tuple:
+        out: list = []
+        for attr in self.attrs:
+            values = getattr(node, attr)
+            for value in (values if type(values) is tuple else (values,)):
+                if value is not None:
+                    subclasses.flat_inner(value, out)
+        return tuple(out)
+
+
+class Rebuild:
+    """A tensor subclass value (a DTensor gradient) from the inner tensors the graph computed,
+    where a runtime call takes it as eager hands it over: an accumulation, a hook, a node
+    run as itself."""
+
+    __name__ = "rebuild_subclass"
+
+    def __init__(self, tp: type, names: tuple, ctx, size: tuple, stride: tuple, constants: dict):
+        """``names``: the inner tensors' (the call's arguments, in order); ``constants``:
+        the inner values that are no tensors, by name."""
+        self.tp, self.names, self.ctx, self.size, self.stride = tp, names, ctx, size, stride
+        self.constants = constants
+
+    def __call__(self, *inner):
+        parts = dict(self.constants)
+        parts.update(zip(self.names, inner))
+        return self.tp.__tensor_unflatten__(parts, self.ctx, self.size, self.stride)
+
+    def __repr__(self):
+        return f"rebuild_subclass[{self.tp.__name__}]"
 
 
 class _CallProbe:

@@ -166,7 +166,8 @@ def _run_body(r, state: EngineState, i: int, inputs) -> None:
         outputs = computed(node, outputs, edges, state.should_run)
     if spec is not None:
         outputs = _post_hooks(r, i, spec, outputs, inputs)
-    if kinds[i] is OPAQUE:
+    # A node traced through a tensor subclass left its saved values to the node as well.
+    if kinds[i] is OPAQUE or call.records[i].subclass is not None:
         r.release_saved(i, node)
     for g, e in zip(outputs, edges):
         if e is not None:

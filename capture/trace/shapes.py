@@ -137,7 +137,8 @@ def baked_positions(call: BackwardCall) -> set[int]:
     for (i, attr), (start, layout) in call.value_slots():
         if attr == hidden.SIZES:  # read by the tracer's own rule (CopySlices), symbolic
             continue
-        if call.kinds[i] is TRACED and type(call.nodes[i]).__name__ not in RULES:
+        # (a node a tensor subclass reaches runs as itself in a symbolic trace)
+        if call.kinds[i] is TRACED and type(call.nodes[i]).__name__ not in RULES and not call.records[i].subclass:
             out.update(range(start, start + _count(layout)))
     return out
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_impls import fast_detach
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.function import BackwardCFunction
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import (
@@ -31,6 +31,7 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 from torch._prims_common import is_contiguous_or_false, make_contiguous_strides_for
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..runtime import ddp_buckets, hook_ops, runtime_ops
@@ -40,9 +41,9 @@ from .getitems import unpack_right_after
 from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, TAKES_NONE, apply_rule
 from .rules_builtin import copy_slices
 from .shapes import SymbolicSizes
-from ..graph import hidden as graph_hidden, unpacked
-from ..graph.saved import ForeignOwned, substitute, substituted
-from ..graph.kinds import ACCUMULATE, REGION_INTS, type_info
+from ..graph import hidden as graph_hidden, subclasses, unpacked
+from ..graph.saved import ForeignOwned, foreign_hooks, saved_layouts, substitute, substituted, take_saved
+from ..graph.kinds import ACCUMULATE, FUNCTION, REGION_INTS, subclass_grads, type_info
 from ..graph.walk import BackwardCall
 from ..errors import _Fallback
 
@@ -145,6 +146,13 @@ class _Tracer:
         self.frontiers: list = []  # per require_gradients call: where the graph may stop
         self.placeholder_values: list = []  # per runtime input: its fake, or the value itself
         self.recovered: dict = {}  # node index -> what its hidden rule recovered (None: runs real)
+        # Tensor subclasses traced through (graph.subclasses): the fake subclass values
+        # rebuilt for runtime calls (id -> proxy), and the ids of fakes standing for what a
+        # runtime call returned where a subclass went in (a hook's result: of a context
+        # only the run knows; a traced formula never takes those).
+        self.rebuilt: dict = {}
+        self.unknown: set[int] = set()
+        self.saved_table: dict | None = None  # the substitution table (saved.substitute)
 
     # -- inputs --------------------------------------------------------------
     def placeholders(self):
@@ -358,6 +366,9 @@ class _Tracer:
             else:
                 fake = self.new_fake(x.shape, x.stride(), x.dtype, x.device)
                 track_tensor_tree(fake, proxy if single else proxy[k], constant=None, tracer=self.tracer)
+                if type(x) is not FakeTensor or id(x) in self.unknown:  # a subclass went in
+                    self.unknown.add(id(fake))
+                    self.keep.append(fake)
                 outs.append(fake)
         return outs[0] if single else tuple(outs)
 
@@ -367,12 +378,29 @@ class _Tracer:
         if isinstance(x, _Unshaped):
             return x.proxy
         if isinstance(x, torch.Tensor):
-            return self.proxy(x)
+            return self.proxy(x) if type(x) is FakeTensor else self.rebuilt_proxy(x)
         if isinstance(x, (tuple, list, torch.Size)):
             return tuple(self.arg(a) for a in x)
         if isinstance(x, torch.SymInt):  # a symbolic size: the graph value that computes it
             return fetch_sym_proxy(self.tracer)(x)
         return x
+
+    def rebuilt_proxy(self, x):
+        """The graph value of fake subclass ``x`` (traced through) as a runtime call takes it:
+        the subclass rebuilt from its inner tensors (runtime_ops.Rebuild), once per value, so
+        that every call sees one object, as in eager."""
+        proxy = self.rebuilt.get(id(x))
+        if proxy is None:
+            names, ctx = subclasses.flatten(x)
+            parts = {n: getattr(x, n) for n in names}
+            tensors = tuple(n for n in names if isinstance(parts[n], torch.Tensor))
+            inner = tuple(self.arg(parts[n]) for n in tensors)
+            fn = runtime_ops.Rebuild(type(x), tensors, ctx, tuple(x.shape), tuple(x.stride()),
+                                     {n: v for n, v in parts.items() if n not in tensors})
+            node = self.tracer.create_node("call_function", fn, _fx_args(inner), {})  # labelled by step
+            proxy = self.rebuilt[id(x)] = self.tracer.proxy(node)
+            self.keep.append(x)
+        return proxy
 
     # -- hooks, in eager's order ---------------------------------------------
     def tensor_pre_hooks(self, i, spec, inputs):
@@ -481,7 +509,7 @@ class _Tracer:
         engine's state at this point (a :class:`Frontier`: run.continuation).
         """
         checked = tuple(k for k, g in enumerate(inputs) if g is not None and id(g) in self.maybe_none)
-        if not checked:
+        if not checked or self.subclass_grads(i):  # (that node runs as itself: run_subclass)
             return inputs
         if self.runs_real(i):
             return inputs  # the real node takes None
@@ -532,9 +560,11 @@ class _Tracer:
         return name in RUN_REAL or (self.call.create_graph and name in RUN_REAL_WITH_HISTORY)
 
     def run_traced(self, i, node, grads):
-        if self.runs_real(i):
+        if self.runs_real(i) or self.takes_unknown(grads):
             log.debug("gradfx: %s runs opaque", self.call.node_label(i))
             return None
+        if self.call.records[i].subclass is not None:
+            return self.run_subclass(i, node, grads)
         graph = self.tracer.graph
         before = (graph._root.prev, len(self.shape_env.guards))
         try:
@@ -562,6 +592,68 @@ class _Tracer:
             return None
         return out if type(out) is tuple else (out,)
 
+    def takes_unknown(self, grads) -> bool:
+        """Is one of ``grads`` what a runtime call returned where a subclass went in?"""
+        return any(g is not None and id(g) in self.unknown for g in grads)
+
+    def subclass_grads(self, i) -> bool:
+        """Does node ``i`` take a tensor subclass's gradient, or is it reached by a subclass
+        otherwise (its saved values)?  Then a gradient from an opaque call, whose context
+        only the run knows, makes it run as itself."""
+        rec = self.call.records[i]
+        return rec.subclass is not None or (rec.kind is FUNCTION and subclass_grads(self.call.nodes[i]))
+
+    def run_subclass(self, i, node, grads):
+        """Node ``i``, which a tensor subclass reaches (its saved values, or its gradients),
+        traced through the subclass: its saved values become fakes of the same subclass
+        around fake inner tensors, which the graph reads from the node when it runs
+        (substitute_saved), and the node's formula runs on them, the subclass's
+        ``__torch_dispatch__`` recording its ops on the inner tensors (a DTensor's
+        redistributions as functional collectives).  None where it cannot (the node then
+        runs as itself): sizes symbolic, a backward recording history, a gradient from a
+        runtime call (whose subclass context only the run knows), a subclass without the
+        flatten protocol."""
+        if (self.symbolic is not None or self.call.create_graph or type(node).__name__ in HIDDEN_RULES
+                or any(g is not None and id(g) in self.maybe_none for g in grads)):
+            return None
+        graph = self.tracer.graph
+        before = (graph._root.prev, len(self.shape_env.guards))
+        try:
+            info = type_info(type(node))
+            if info.raw_saved:
+                self.substitute_saved(i, node, info)
+            out = node(*grads)
+            if any(isinstance(g, torch.Tensor) and type(g) is not FakeTensor and not subclasses.traceable(type(g))
+                   for g in (out if type(out) is tuple else (out,))):
+                raise TypeError("its formula returned a tensor subclass gradfx does not trace through")
+        except Exception as err:
+            self.undo(before, i, err)
+            return None
+        return out if type(out) is tuple else (out,)
+
+    def substitute_saved(self, i, node, info) -> None:
+        """Fakes for node ``i``'s saved values while its formula is traced: the graph reads the
+        values from the node (runtime_ops.ReadSaved, eager's unpack and checks) as plain
+        inner tensors; a subclass value's fake is the subclass around fakes of those.  The
+        walk keyed their layouts and contexts (saved.saved_layouts)."""
+        if foreign_hooks(node, info.raw_saved):
+            raise TypeError("its saved tensors are under saved_tensors_hooks")
+        with _disable_current_modes():  # the real values, unpacked as the node would
+            layouts = saved_layouts(node, info.saved_tensors)
+            if any(layout is not None and len(layout) == 1 for layout in layouts):
+                raise TypeError("a tensor subclass without the flatten protocol among its saved tensors")
+            owned, _, values = take_saved(node, info.raw_saved, info.saved_tensors, subclasses_too=True)
+            flat: list = []
+            for value in values:
+                subclasses.flat_inner(value, flat)
+        like = tuple(self.new_fake(tuple(t.shape), "contiguous" if t.is_contiguous() else tuple(t.stride()),
+                                   t.dtype, t.device) for t in flat)
+        inner = iter(self.python_call(runtime_ops.ReadSaved(info.saved_tensors),
+                                      (_Input(self.call.records[i].node_input),), like, self.call_label(i),
+                                      "compute"))
+        for k, value in enumerate(values):
+            self.saved_table[(id(owned), k)] = _fake_like(value, inner)
+
     def formula_computes(self, node, i, out):
         """A rule's outputs as the node's formula gives them: a rule computes every output,
         the formula none for an edge without a next node (post-hooks see None there),
@@ -574,7 +666,8 @@ class _Tracer:
     def run_function(self, i, ctx, grads):
         """Trace a traceable custom Function's backward; None if it cannot run on fakes
         (or runs as itself: runs_real)."""
-        if self.runs_real(i):
+        if self.runs_real(i) or self.takes_unknown(grads) or (
+                self.subclass_grads(i) and any(g is not None and id(g) in self.maybe_none for g in grads)):
             return None
         graph = self.tracer.graph
         before = (graph._root.prev, len(self.shape_env.guards))
@@ -587,6 +680,9 @@ class _Tracer:
             with _generators_untouched():
                 out = self._apply_function(i, ctx, grads)
             self.no_held_objects(before[0])
+            if self.symbolic is not None and any(isinstance(g, torch.Tensor) and type(g) is not FakeTensor
+                                                 for g in (out if type(out) is tuple else (out,))):
+                raise TypeError("a tensor subclass gradient under symbolic sizes")  # DTensor's Functions
             return runtime_ops.function_outputs(ctx.name(), ctx.needs_input_grad, out,
                                                 [e is not None for e in self.call.records[i].edges])
         except Exception as err:
@@ -736,10 +832,14 @@ class _Tracer:
                              self.call.node_label(i), "opaque")
 
     def add(self, old, new, label):
-        """InputBuffer::add; gradients from opaque calls may turn out None at run time."""
-        if id(old) in self.maybe_none or id(new) in self.maybe_none:
+        """InputBuffer::add; gradients from opaque calls may turn out None at run time, and
+        one a runtime call returned for a subclass is added as the run finds it."""
+        unknown = id(old) in self.unknown or id(new) in self.unknown
+        if id(old) in self.maybe_none or id(new) in self.maybe_none or unknown:
             out = self.python_call(runtime_ops.add_grads, (old, new), old, label, "compute")
             self.maybe_none.add(id(out))
+            if unknown:
+                self.unknown.add(id(out))
             self.keep.append(out)
             return out
         return old + new
@@ -752,8 +852,21 @@ class _Tracer:
             proxy.node.meta["gradfx_kind"] = "accumulate"
             return
         proxy = self.record(runtime_ops.accumulate_grad,
-                            (self.object_proxies[var_input], self.proxy(grad), False), label)
+                            (self.object_proxies[var_input], self.arg(grad), False), label)
         proxy.node.meta["gradfx_kind"] = "accumulate"
+
+
+def _fake_like(value, inner):
+    """A fake standing for saved ``value``: the next of the ``inner`` fakes for a plain
+    tensor, a traceable subclass's own ``__tensor_unflatten__`` around its inner ones."""
+    if not subclasses.traceable(type(value)):
+        return next(inner)
+    names, ctx = subclasses.flatten(value)
+    parts = {}
+    for n in names:
+        part = getattr(value, n)
+        parts[n] = _fake_like(part, inner) if isinstance(part, torch.Tensor) else part
+    return type(value).__tensor_unflatten__(parts, ctx, tuple(value.shape), tuple(value.stride()))
 
 
 def _fx_args(x):
@@ -819,9 +932,9 @@ def trace_backward(call: BackwardCall, symbolic: SymbolicSizes | None = None, as
 
 def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float, assumed_none, learner) -> Trace:
     t = _Tracer(call, symbolic, assumed_none, learner)
+    t.saved_table = table = {}
     fakes = t.placeholders()
     grads = fakes[: len(call.roots)]
-    table = {}
     for i, owned in enumerate(call.owned):
         if owned is not None:
             for k, _ in enumerate(owned.tensors):
@@ -841,7 +954,7 @@ def _trace(call: BackwardCall, symbolic: SymbolicSizes | None, start: float, ass
         captured = engine_loop.drain(t, engine_loop.EngineState.at_start(t, call, grads))
     out = []
     for g in captured:
-        out.append(None if g is None else t.proxy(g).node)
+        out.append(None if g is None else t.arg(g).node)
     t.tracer.graph.output(tuple(out))
     _group_getitems(t.tracer.graph)
     if not call.create_graph:  # under grad mode AccumulateGrad never steals
