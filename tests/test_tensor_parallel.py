@@ -57,6 +57,30 @@ def _block(mesh):
     return parallelize_module(Block(), mesh, plan), (2, 5, 16)
 
 
+class _Hooked(nn.Module):
+    """A DTensor activation between the parallel linears (the first keeps its output a
+    DTensor) with a tensor hook, and hooks on the DTensor parameters' gradients."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+        parallelize_module(self, mesh, {"up": ColwiseParallel(use_local_output=False),
+                                        "down": RowwiseParallel(input_layouts=Shard(-1))})
+        for p in self.parameters():
+            p.register_hook(lambda g: g * 0.5)
+
+    def forward(self, x):
+        h = self.up(x)
+        h.register_hook(lambda g: g * 2.0)
+        return self.down(F.relu(h))
+
+
+def _mlp_hooked(mesh):
+    return _Hooked(mesh), (6, 8)
+
+
 def _mlp_new_batch_sizes(mesh):
     model, _ = _mlp(mesh)
     return model, lambda it: (3 + 2 * it, 8)  # dynamic="auto": the second size recaptures, symbolic
@@ -151,7 +175,7 @@ def _encoder_layer(mesh):
 
 
 MODELS = {"mlp": _mlp, "sequence_parallel_norms": _sequence_parallel, "attention_and_mlp": _block,
-          "mlp_new_batch_sizes": _mlp_new_batch_sizes}
+          "mlp_new_batch_sizes": _mlp_new_batch_sizes, "mlp_hooked": _mlp_hooked}
 if torch.__version__ >= "2.12":  # on 2.11 eager TP fails on the layer (a view flattening a sharded dim)
     MODELS["transformer_encoder_layer"] = _encoder_layer
 
@@ -207,6 +231,25 @@ def _compare(build, mesh, rank, backend) -> dict:
             "collectives": sorted(op for op in ops if "_c10d_functional" in op)}
 
 
+def _twice(mesh):
+    """backward(retain_graph=True) twice over one TP graph (the second walk finds the saved
+    DTensors the first capture traced through), then once more; gradients as eager's."""
+    import gradfx
+    grads = []
+    for under_gradfx in (False, True):
+        torch.manual_seed(0)
+        model, shape = _mlp(mesh)
+        loss = model(torch.randn(*shape)).square().mean()
+        for retain in (True, True, False):
+            if under_gradfx:
+                with gradfx.compiled_autograd():
+                    loss.backward(retain_graph=retain)
+            else:
+                loss.backward(retain_graph=retain)
+        grads.append([p.grad.to_local() for p in model.parameters()])
+    return {"equal": all(torch.equal(a, b) for a, b in zip(*grads))}
+
+
 def _worker(rank, world, port, results):
     from gradfx.capture import native
     assert native.wait() is not None, native.reason()  # a DTensor's gradients are told by it
@@ -216,6 +259,7 @@ def _worker(rank, world, port, results):
         for name, build in MODELS.items():
             for backend in ("eager", "aot_eager"):
                 record_case(results, (name, backend, rank), lambda: _compare(build, mesh, rank, backend))
+        record_case(results, ("twice", rank), lambda: _twice(mesh))
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +279,11 @@ def test_tensor_parallel_backward_is_captured_as_eager(results, name, backend):
         captures = 2 if name == "mlp_new_batch_sizes" else 1  # one more for the new size, then symbolic
         assert stats["fallbacks"] == 0 and stats["captures"] == captures, stats
         assert stats["cache_hits"] == STEPS - captures, stats
-        # traced through DTensor: only the DTensor leaves' own accumulators are called
-        assert got["opaque"] == ["torch::autograd::AccumulateGrad"], got["opaque"]
+        # traced through DTensor: only the DTensor leaves' own accumulators are called, and
+        # the nodes after a hook that returned a DTensor (its placements known at run time:
+        # the hooked activation's node on, not the ReLU before it)
+        after_hook = ["AddmmBackward0", "RedistributeBackward", "TBackward0"] if name == "mlp_hooked" else []
+        assert got["opaque"] == sorted(["torch::autograd::AccumulateGrad"] + after_hook), got["opaque"]
         if name in ("attention_and_mlp", "sequence_parallel_norms", "transformer_encoder_layer"):
             # the input gradients of the colwise projections are partial sums: all-reduced
             # (sequence parallelism: reduce-scattered), as ops of the graph
@@ -264,6 +311,51 @@ def test_tensor_parallel_compiles_with_inductor():
         stats = got["stats"]
         assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["uncompiled"] == 0, (name, stats)
         assert got["opaque"] == ["torch::autograd::AccumulateGrad"] and got["collectives"], got
+
+
+def test_retain_graph_twice_over_a_tensor_parallel_graph(results):
+    for rank in (0, 1):
+        got = results[("twice", rank)]
+        assert "error" not in got, got.get("error")
+        assert got["equal"]
+
+
+def _worker_placements(rank, world, port, results):
+    """One structure, one shape, two placements of the weight: each its own graph (what a
+    graph bakes in of a DTensor is compared with the sizes), each found again after."""
+    import gradfx
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def case():
+        mesh = init_device_mesh("cpu", (world,))
+        got = []
+        for placement in (Shard(0), Replicate(), Shard(0), Replicate()):
+            for under_gradfx in (False, True):
+                torch.manual_seed(0)
+                w = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [placement]))
+                x = distribute_tensor(torch.randn(3, 4), mesh, [Replicate()])
+                loss = (x @ w.t()).relu().sum().full_tensor()  # a plain root
+                if under_gradfx:
+                    with gradfx.compiled_autograd():
+                        loss.backward()
+                else:
+                    loss.backward()
+                got.append((w.grad.to_local(), w.grad.placements))
+        pairs = list(zip(got[::2], got[1::2]))
+        return {"equal": all(torch.equal(a, b) and pa == pb for (a, pa), (b, pb) in pairs),
+                "stats": gradfx.stats()}
+    with gloo_group(rank, world, port):
+        gradfx.reset()
+        record_case(results, rank, case)
+
+
+def test_a_dtensor_placement_is_part_of_what_finds_a_graph():
+    got = spawn_ranks(_worker_placements, 1)[0]
+    assert "error" not in got, got.get("error")
+    assert got["equal"]
+    stats = got["stats"]
+    assert stats["captures"] == 2 and stats["cache_hits"] == 2 and stats["fallbacks"] == 0, stats
 
 
 # -- 2-D: tensor parallelism inside FSDP2, 4 ranks on a 2 x 2 mesh ---------------------
