@@ -46,9 +46,9 @@ class Int8Weight(torch.Tensor):
     def __tensor_flatten__(self):
         return ["data8", "scale"], self.transposed
 
-    @staticmethod
-    def __tensor_unflatten__(inner, transposed, outer_size, outer_stride):
-        return Int8Weight(inner["data8"], inner["scale"], transposed)
+    @classmethod
+    def __tensor_unflatten__(cls, inner, transposed, outer_size, outer_stride):
+        return cls(inner["data8"], inner["scale"], transposed)
 
     def __repr__(self):
         return f"Int8Weight({tuple(self.shape)}, transposed={self.transposed})"
@@ -59,18 +59,30 @@ class Int8Weight(torch.Tensor):
         if func in (aten.detach.default, aten.alias.default, aten.t.default):
             w = args[0]
             if func is aten.t.default:
-                out = Int8Weight(w.data8.t(), w.scale, not w.transposed)
+                out = cls(w.data8.t(), w.scale, not w.transposed)
             else:
-                out = Int8Weight(w.data8, w.scale, w.transposed)
+                out = cls(w.data8, w.scale, w.transposed)
             return return_and_correct_aliasing(func, args, kwargs, out)
         plain = tree_map(lambda a: a.dequantize() if isinstance(a, Int8Weight) else a, args)
         return func(*plain, **kwargs)
 
 
+class ClippedInt8Weight(Int8Weight):
+    """Its dequantization decides on its data (Python branches on the largest scale): not
+    traceable on fakes, so the nodes that saved it run as themselves.  (A number read and
+    only computed with, ``scale.max().item() * 2``, is traced: an op of the graph.)"""
+
+    def dequantize(self):
+        w = super().dequantize()
+        if self.scale.abs().max().item() > 0.01:
+            w = w.clamp(-1.0, 1.0)
+        return w
+
+
 class LoRALinear(nn.Module):
-    def __init__(self, d_in, d_out, rank=4):
+    def __init__(self, d_in, d_out, rank=4, weight_cls=Int8Weight):
         super().__init__()
-        self.weight = Int8Weight.quantize(torch.randn(d_out, d_in) / d_in ** 0.5)  # frozen, not a Parameter
+        self.weight = weight_cls.quantize(torch.randn(d_out, d_in) / d_in ** 0.5)  # frozen, not a Parameter
         self.a = nn.Parameter(torch.randn(rank, d_in) / d_in ** 0.5)
         self.b = nn.Parameter(torch.randn(d_out, rank) / rank)
 
@@ -78,9 +90,10 @@ class LoRALinear(nn.Module):
         return F.linear(x, self.weight) + F.linear(F.linear(x, self.a), self.b)
 
 
-def _model():
+def _model(weight_cls=Int8Weight):
     torch.manual_seed(0)
-    return nn.Sequential(LoRALinear(16, 32), nn.GELU(), nn.LayerNorm(32), LoRALinear(32, 8))
+    return nn.Sequential(LoRALinear(16, 32, weight_cls=weight_cls), nn.GELU(), nn.LayerNorm(32),
+                         LoRALinear(32, 8, weight_cls=weight_cls))
 
 
 def _step(model, x, log):
@@ -137,6 +150,25 @@ def test_captured_graph_traces_through_the_subclass_weight():
     data = [item for r in reads for item in r.users if item.meta["val"].dtype is torch.int8]
     assert len(data) == 2  # the int8 data, dequantized in the graph (a view of it cast)
     assert all(any(v.target is aten._to_copy.default for u in item.users for v in [u, *u.users]) for item in data)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_subclass_whose_dispatch_reads_data_runs_its_nodes_as_themselves(backend, caplog):
+    model = _model(ClippedInt8Weight)
+    expected, expected_log = _run(model, None)
+    gradfx.reset()
+    with caplog.at_level(logging.INFO, logger="gradfx"):
+        got, got_log = _run(model, backend)
+    same = torch.equal if backend == "eager" else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    for want, have in zip(expected, got):
+        assert all(same(a, b) for a, b in zip(want, have))
+    assert len(got_log) == len(expected_log) and all(same(a[1], b[1]) for a, b in zip(expected_log, got_log))
+    stats = gradfx.stats()
+    assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == 2, stats
+    said = [r.getMessage() for r in caplog.records if "a tensor subclass reaches" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("gradfx: 2 of the 2 nodes a tensor subclass reaches run as "
+                                                 "themselves (a tensor subclass (ClippedInt8Weight) among the "
+                                                 "saved tensors): MmBackward0"), said
 
 
 _HAND_BACK = {"subclass": False}
