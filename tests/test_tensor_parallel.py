@@ -10,6 +10,8 @@ symbolic sizes they run as themselves.  One spawn runs every case; each test rea
 own.
 """
 
+import os
+import tempfile
 import warnings
 
 import pytest
@@ -250,6 +252,46 @@ def _twice(mesh):
     return {"equal": all(torch.equal(a, b) for a, b in zip(*grads))}
 
 
+def _loss_parallel(mesh):
+    """Vocabulary-parallel cross-entropy (``loss_parallel()``, as torchtitan trains): the
+    logits stay sharded on the vocabulary, the loss is a DTensor, so is the root gradient;
+    the backward is traced through it (the context's own DTensor handlers), each step
+    after the first a cache hit."""
+    import gradfx
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+    runs = []
+    for under_gradfx in (False, True):
+        gradfx.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 10))
+        parallelize_module(model, mesh, {"2": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        grads, graphs = [], []
+        for it in range(STEPS):
+            torch.manual_seed(100 + it)
+            x, labels = torch.randn(6, 8), torch.randint(0, 10, (6,))
+            model.zero_grad()
+            with loss_parallel():
+                loss = F.cross_entropy(model(x), labels)
+                if under_gradfx:
+                    with gradfx.compiled_autograd() as session:
+                        loss.backward()
+                    graphs += session.graphs
+                else:
+                    loss.backward()
+            grads.append([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad,
+                           getattr(p.grad, "placements", None)) for p in model.parameters()])
+        runs.append((grads, graphs, gradfx.stats()))
+    (eager, _, _), (got, graphs, stats) = runs
+    graph = graphs[0]  # what a notebook shows of it, and a saved script of it, work too
+    views = bool(graph.to_svg()) and bool(graph.table()) and "read_saved" in graph.print_readable(print_output=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        graph.save(os.path.join(tmp, "backward.py"))
+        compile(open(os.path.join(tmp, "backward.py")).read(), "backward.py", "exec")
+    return {"equal": all(torch.equal(a, b) and pa == pb for ws, gs in zip(eager, got) for (a, pa), (b, pb) in zip(ws, gs)),
+            "stats": stats, "opaque": sorted({label.split()[0] for label in graph.opaque_nodes}), "views": views}
+
+
 def _worker(rank, world, port, results):
     from gradfx.capture import native
     assert native.wait() is not None, native.reason()  # a DTensor's gradients are told by it
@@ -260,6 +302,7 @@ def _worker(rank, world, port, results):
             for backend in ("eager", "aot_eager"):
                 record_case(results, (name, backend, rank), lambda: _compare(build, mesh, rank, backend))
         record_case(results, ("twice", rank), lambda: _twice(mesh))
+        record_case(results, ("loss_parallel", rank), lambda: _loss_parallel(mesh))
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +354,17 @@ def test_tensor_parallel_compiles_with_inductor():
         stats = got["stats"]
         assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["uncompiled"] == 0, (name, stats)
         assert got["opaque"] == ["torch::autograd::AccumulateGrad"] and got["collectives"], got
+
+
+def test_loss_parallel_root_gradient_is_traced_through(results):
+    for rank in (0, 1):
+        got = results[("loss_parallel", rank)]
+        assert "error" not in got, got.get("error")
+        assert got["equal"]
+        stats = got["stats"]
+        assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
+        assert got["opaque"] == ["torch::autograd::AccumulateGrad"], got["opaque"]
+        assert got["views"]
 
 
 def test_retain_graph_twice_over_a_tensor_parallel_graph(results):

@@ -25,12 +25,12 @@ import threading
 from functools import cached_property, partial
 
 from .. import native
-from . import distributed, hidden, hooks, subclasses, walk_program
-from .kinds import (ACCUMULATE, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
+from . import distributed, hidden, hooks, walk_program
+from .kinds import (ACCUMULATE, ctx_layout_id, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
                     function_materializes, hidden_state, kind_of, saved_layout_id, stream_ok, subclass_grads,
                     traced_ctx_key, value_key)
 from .saved import (ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks, leave_to_node, readable)
-from .walk import BackwardCall, root_edge
+from .walk import BackwardCall, root_edge, root_layout_id
 
 
 class _Source:
@@ -118,7 +118,11 @@ def generate(call: BackwardCall, tensors, structure):
     src.emit("sizes = []")
     for k in range(len(call.roots)):
         src.emit(f"g{k} = grads[{k}]")
-        emit_tensor(src, f"g{k}", call, k, call.inputs[k])
+        if k in call.tensor_slots:
+            emit_tensor(src, f"g{k}", call, k, call.inputs[k])
+        else:  # a subclass, traced through (walk.root_layout_id)
+            src.bail_unless(f"type(g{k}) is {src.const(type(call.inputs[k]))}")
+            src.emit(f"sizes.append(root_layout_id(g{k}))")
     specs = {}
     for i, node in enumerate(nodes):
         rec = records[i]
@@ -155,7 +159,7 @@ def generate(call: BackwardCall, tensors, structure):
     code = "def fast_walk(tensors, grads, inputs, accumulate):\n" + "\n".join(src.lines) + "\n"
     namespace = dict(src.consts, flatten=flatten_sizes, value_key=value_key, traced_ctx_key=traced_ctx_key,
                      materializes=function_materializes, SavedTensors=SavedTensors, Untouched=Untouched, HeldByNode=getattr(native.module(), "HeldByNode", None),
-                     ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks, saved_layout_id=saved_layout_id, layout_id=subclasses.layout_id,
+                     ForeignOwned=ForeignOwned, foreign_hooks=foreign_hooks, saved_layout_id=saved_layout_id, ctx_layout_id=ctx_layout_id, root_layout_id=root_layout_id,
                      leave_to_node=leave_to_node, subclass_grads=subclass_grads,
                      partial=partial, stream_ok=stream_ok, hidden_state=hidden_state, native_metas=_native('metas'), native_tensor=_native('tensor'),
                      native_structure=_native('structure'), native_saved=_native('saved'),

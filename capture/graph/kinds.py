@@ -418,7 +418,7 @@ def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo, subclasse
     except SubclassSaved as found:
         rec.subclass = f"a tensor subclass ({found}) among the saved tensors"
         if subclasses_too:
-            walk_subclass_saved(w, rec, i, node, info)
+            walk_subclass_values(w, rec, i, node, info)
         else:  # a custom Function: it runs as itself
             w.key.append((OPAQUE, found.types))
             w.owned[i] = leave_to_node(node, info.raw_saved)
@@ -434,19 +434,20 @@ def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo, subclasse
     return True
 
 
-def walk_subclass_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> None:
+def walk_subclass_values(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo) -> None:
     """A builtin node a tensor subclass reaches (saved, or its gradients): its saved
     variables are left to it.  The tracer traces the node through the subclass where it
     can: the graph then reads them from the node when it runs (runtime_ops.ReadSaved), and
-    is valid for their layouts and contexts (a DTensor's placements and global shape).
-    Those are one more size (SUBCLASS_LAYOUTS, an id: subclasses.layout_id), not part of
-    the key: a static graph is found by its sizes, that one included, while a symbolic
-    graph, where such nodes run as themselves, holds for any (its symbol unused).  Where
-    the tracer cannot, the node runs as itself; what it hands on is checked where a traced
-    formula takes it (a subclass gradient stops the graph there, and the rest of the
-    backward runs node by node: run.continuation)."""
+    is valid for their layouts and contexts (a DTensor's placements and global shape) and
+    for DTensor's dispatch state.  Those are one more size (SUBCLASS_LAYOUTS, an id:
+    subclasses.layout_id), not part of the key: a static graph is found by its sizes, that
+    one included, while a symbolic graph, where such nodes run as themselves, holds for
+    any (its symbol unused).  Where the tracer cannot, the node runs as itself; what it
+    hands on is checked where a traced formula takes it (a subclass gradient stops the
+    graph there, and the rest of the backward runs node by node: run.continuation)."""
     w.key.append("subclass")
-    w.owned[i] = leave_to_node(node, info.raw_saved)
+    if info.raw_saved:
+        w.owned[i] = leave_to_node(node, info.raw_saved)
     rec.values[SUBCLASS_LAYOUTS] = (len(w.sizes), None)
     w.sizes.append(saved_layout_id(node, info.raw_saved, info.saved_tensors))
 
@@ -455,16 +456,23 @@ SUBCLASS_LAYOUTS = "_saved_subclass_layouts"  # the NodeRecord.values slot of a 
 
 
 def saved_layout_id(node, raw_attrs: tuple, tensor_attrs: tuple, a_subclass: bool = False) -> int | None:
-    """The id of the layouts of the node's saved values (subclasses.layout_id); the id of
-    None where the user's saved-tensor hooks hold them (unpacking here would run them: the
-    node runs as itself).  With ``a_subclass``: None unless one of them is a subclass
-    (a cache-hit walker's check, for a node the capture found had one saved)."""
-    if foreign_hooks(node, raw_attrs):  # (a node that saved a subclass under them is walked otherwise)
+    """The id (subclasses.layout_id) of the layouts of the node's saved values, with
+    DTensor's dispatch state; the id of None where the user's saved-tensor hooks hold them
+    (unpacking here would run them: the node runs as itself).  With ``a_subclass``: None
+    unless one of them is a subclass (a cache-hit walker's check, for a node the capture
+    found had one saved)."""
+    if raw_attrs and foreign_hooks(node, raw_attrs):  # (a node that saved a subclass under them is walked otherwise)
         return None if a_subclass else subclasses.layout_id(None)
     layouts = saved_layouts(node, tensor_attrs)
     if a_subclass and all(layout is None or plain_type(layout[0]) for layout in layouts):
         return None
-    return subclasses.layout_id(layouts)
+    return subclasses.layout_id((layouts, subclasses.dispatch_state()))
+
+
+def ctx_layout_id(node) -> int:
+    """The id of what a traced backward of one of DTensor's Functions bakes in: its ctx (its
+    global sizes among it) and DTensor's dispatch state."""
+    return subclasses.layout_id((traced_ctx_key(node), subclasses.dispatch_state()))
 
 
 def leave_saved(w: Walk, i: int, node) -> bool:
@@ -749,8 +757,7 @@ class TracedKind:
             # Gradients of a tensor subclass (DTensor's, under tensor parallelism): traced
             # through the subclass where the tracer can, else the node runs as itself.
             w.key.append(SUBCLASS_GRADS)
-            if info.raw_saved:
-                walk_subclass_saved(w, rec, i, node, info)
+            walk_subclass_values(w, rec, i, node, info)
             rec.subclass = SUBCLASS_GRADS
         elif info.raw_saved and not walk_saved(w, rec, i, node, info, subclasses_too=True):
             kind = OPAQUE
@@ -769,7 +776,7 @@ class TracedKind:
             src.bail_unless(f"subclass_grads(n{i})")
         if type(call.owned[i]) is ForeignOwned:  # under the user's saved-tensor hooks: opaque
             src.bail_unless(f"foreign_hooks(n{i}, {src.const(info.raw_saved)})")
-        elif type(call.owned[i]) is Untouched:  # a tensor subclass reaches it: saved values left to it
+        elif call.records[i].subclass is not None:  # a tensor subclass reaches it: walk_subclass_values
             src.emit(f"x = saved_layout_id(n{i}, {src.const(info.raw_saved)}, {src.const(info.saved_tensors)}, "
                      f"{call.records[i].subclass != SUBCLASS_GRADS})")
             src.bail_unless("x is not None")
@@ -802,9 +809,9 @@ class FunctionKind:
         traceable = baked is not None
         w.key.append((node.needs_input_grad, function_materializes(node), traceable))
         walk_metas(w, rec, node)
-        if traceable and dtensor_function(type(node)):  # its ctx holds global sizes: see walk_subclass_saved
+        if traceable and dtensor_function(type(node)):  # its ctx holds global sizes: see walk_subclass_values
             rec.values[SUBCLASS_LAYOUTS] = (len(w.sizes), None)
-            w.sizes.append(subclasses.layout_id(baked))
+            w.sizes.append(ctx_layout_id(node))
         elif traceable:
             w.key.append(baked)
             ints = region_ints(node)
@@ -830,7 +837,7 @@ class FunctionKind:
         emit_metas(src, f"n{i}", node)
         if is_traceable(type(node)):
             if dtensor_function(type(node)):
-                src.emit(f"sizes.append(layout_id(traced_ctx_key(n{i})))")
+                src.emit(f"sizes.append(ctx_layout_id(n{i}))")
             else:
                 src.bail_unless(f"traced_ctx_key(n{i}) == {src.const(traced_ctx_key(node))}")
             if REGION_INTS in call.records[i].values:

@@ -16,6 +16,8 @@ only for that context and those inner layouts.  Reading it calls the subclass's
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 # A subclass's __torch_function__ runs on Python calls alone (a formula's ops come from
@@ -56,6 +58,18 @@ def layout(t: torch.Tensor):
     except TypeError:
         return (tp,)
     return key
+
+
+def dispatch_state():
+    """What DTensor's ``__torch_dispatch__`` reads besides the values, which a graph traced
+    through it bakes in: its custom op handlers (``loss_parallel()`` adds its own while it
+    is open) and whether implicit replication is allowed (None before DTensor is
+    imported)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return None
+    dispatcher = module.DTensor._op_dispatcher
+    return frozenset(dispatcher._custom_op_handlers), dispatcher._allow_implicit_replication
 
 
 def _inner_layout(value):

@@ -26,7 +26,7 @@ import torch
 
 from .. import native
 from ..errors import _Fallback
-from . import distributed
+from . import distributed, subclasses
 from .kinds import ACCUMULATE, NodeRecord, Walk, kind_of, walk_hooks, walk_metas
 from .saved import readable
 
@@ -185,6 +185,13 @@ def find_outputs(inputs, index, accumulate: bool):
     return outputs, captures
 
 
+def root_layout_id(g) -> int:
+    """The id of what a graph traced through a subclass root gradient bakes in of it (its
+    layout, DTensor's dispatch state): one more size, as for a node a subclass reaches
+    (kinds.walk_subclass_values)."""
+    return subclasses.layout_id((subclasses.layout(g), subclasses.dispatch_state()))
+
+
 def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool = False,
                   take_functions: bool = True) -> BackwardCall:
     """Discover the graph of one backward call and collect its runtime inputs.
@@ -216,7 +223,11 @@ def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool =
     w.take_functions = take_functions
     w.key += [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate, create_graph]
     for k, g in enumerate(grads):
-        w.key.append(w.tensor(g, k, "as a root's gradient"))
+        if type(g) in (torch.Tensor, torch.nn.Parameter) or len(subclasses.layout(g)) == 1:
+            w.key.append(w.tensor(g, k, "as a root's gradient"))  # (another subclass falls back)
+        else:  # traced through where a static trace can (a DTensor loss's, under loss_parallel)
+            w.key.append(("subclass", type(g)))
+            w.sizes.append(root_layout_id(g))
     records = []
     for i, node in enumerate(nodes):
         runs = needed is None or needed[i]

@@ -37,6 +37,8 @@ def plan(call, structure_plan: tuple):
     if native.module() is None or call.outputs is not None or call.accumulate is not True:
         return None
     records = call.records
+    if any(k not in call.tensor_slots for k in range(len(call.roots))):
+        return None  # a subclass root gradient (walk.root_layout_id)
     steps = [(GRAD, k, _tensor_expected(call, k, call.inputs[k])) for k in range(len(call.roots))]
     layout = [(GRAD_INPUT, k, 0) for k in range(len(call.roots))]
     held = []

@@ -24,7 +24,7 @@ from ... import backends, reorder
 from ...backends.identity import Key, callable_key
 from .. import logs, native, pipeline, torch_releases
 from ..view import annotate
-from ..graph import fast_walk
+from ..graph import fast_walk, subclasses
 from . import continuation, routing, self_check
 from ..runtime import counters, hook_ops
 from .cache import Assumed, cache
@@ -611,8 +611,9 @@ def _grad_inputs(call: BackwardCall) -> frozenset | None:
 
 def _check_call(tensors, grad_tensors, inputs) -> None:
     """Raises _Fallback for roots, inputs or gradients gradfx does not capture."""
-    for t in tensors:
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+    for t in tensors:  # a root may be a subclass traced through (a DTensor loss): only its edge is read
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and not (
+                isinstance(t, torch.Tensor) and subclasses.traceable(type(t))):
             _refuse_type(t)
     for t in inputs or ():
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:

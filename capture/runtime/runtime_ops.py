@@ -285,6 +285,9 @@ class ReadSaved:
     def __init__(self, attrs: tuple):
         self.attrs = attrs
 
+    def __repr__(self):
+        return f"read_saved{list(self.attrs)}"
+
     def __call__(self, node) -> tuple:
         out: list = []
         for attr in self.attrs:
@@ -293,6 +296,13 @@ class ReadSaved:
                 if value is not None:
                     subclasses.flat_inner(value, out)
         return tuple(out)
+
+
+def flatten(t) -> tuple:
+    """The plain tensors a tensor subclass value (a root gradient) consists of."""
+    out: list = []
+    subclasses.flat_inner(t, out)
+    return tuple(out)
 
 
 class Rebuild:

@@ -182,7 +182,9 @@ class _Tracer:
             if owner >= 0:
                 proxy.node.meta["gradfx_node"] = call.node_label(owner)
                 proxy.node.meta["gradfx_node_index"] = owner  # labels repeat (leaves): groups need the index
-            if kind in ("grad", "saved"):
+            if kind == "grad" and i not in call.tensor_slots:  # a subclass root gradient (walk.root_layout_id)
+                fakes.append(self.subclass_root(i, value, proxy))
+            elif kind in ("grad", "saved"):
                 fake = self.fake_tensor(i, value)
                 track_tensor_tree(fake, proxy, constant=None, tracer=self.tracer)
                 proxy.node.meta["val"] = fake
@@ -192,6 +194,32 @@ class _Tracer:
                 fakes.append(value)
         self.placeholder_values = fakes
         return fakes
+
+    def subclass_root(self, pos, value, proxy):
+        """The fake for a root gradient that is a tensor subclass (a DTensor loss's): in a
+        static trace, the subclass around fakes of its inner tensors, which the graph reads
+        off the gradient (runtime_ops.Flatten); in a symbolic one, a plain fake standing for
+        what the run hands in (the nodes it reaches run as themselves)."""
+        if self.symbolic is not None or self.call.create_graph:
+            fake = self.new_fake(tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
+            track_tensor_tree(fake, proxy, constant=None, tracer=self.tracer)
+            self.unknown.add(id(fake))
+            self.keep.append(fake)
+            return fake
+        flat: list = []
+        subclasses.flat_inner(value, flat)
+        node = self.tracer.create_node("call_function", runtime_ops.flatten, (proxy.node,), {})
+        node.meta["gradfx_kind"] = "compute"
+        inner = []
+        for k, t in enumerate(flat):
+            fake = self.new_fake(tuple(t.shape), "contiguous" if t.is_contiguous() else tuple(t.stride()), t.dtype,
+                                 t.device)
+            track_tensor_tree(fake, self.tracer.proxy(node)[k], constant=None, tracer=self.tracer)
+            inner.append(fake)
+        fake = _fake_like(value, iter(inner))
+        self.rebuilt[id(fake)] = proxy  # a runtime call given it gets the root gradient itself
+        self.keep.append(fake)
+        return fake
 
     def fake_tensor(self, pos, value):
         if self.symbolic is None:
@@ -626,10 +654,35 @@ class _Tracer:
             if any(isinstance(g, torch.Tensor) and type(g) is not FakeTensor and not subclasses.traceable(type(g))
                    for g in (out if type(out) is tuple else (out,))):
                 raise TypeError("its formula returned a tensor subclass gradfx does not trace through")
+            self.constants_made(before[0])
         except Exception as err:
             self.undo(before, i, err)
             return None
         return out if type(out) is tuple else (out,)
+
+    def constants_made(self, last) -> None:
+        """The tensor constants a subclass's Python recorded after ``last`` (DTensor's loss
+        handlers: ``torch.where(mask, target, 0)``), made by an op of the graph where they
+        hold one value (``aten.full``, their dtype and device), as the graph holds no
+        tensor; raise for any other (the node runs as itself)."""
+        node = last.next
+        while node.op != "root":
+            following = node.next
+            if node.op == "get_attr":
+                value = getattr(self.tracer.root, node.target)
+                with _disable_current_modes():  # a real tensor
+                    one = (isinstance(value, torch.Tensor) and value.numel() > 0
+                           and bool((value == value.reshape(-1)[0]).all()))
+                    if not one:
+                        raise TypeError(f"its backward records a tensor constant ({node.target})")
+                    fill = value.reshape(-1)[0].item()
+                with self.tracer.graph.inserting_before(node):
+                    made = self.tracer.graph.call_function(torch.ops.aten.full.default, (list(value.shape), fill),
+                                                           {"dtype": value.dtype, "device": value.device})
+                made.meta.update(node.meta)
+                node.replace_all_uses_with(made)
+                self.tracer.graph.erase_node(node)
+            node = following
 
     def substitute_saved(self, i, node, info) -> None:
         """Fakes for node ``i``'s saved values while its formula is traced: the graph reads the

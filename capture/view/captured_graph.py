@@ -128,6 +128,11 @@ class CapturedGraph:
                 continue
             if module == "builtins":
                 continue
+            if not hasattr(obj, "__qualname__"):  # an object of the capture's (a DTensor rebuild, a plan)
+                lines += [f"def {name}(*args):",
+                          f"    raise RuntimeError({repr(repr(obj))} + ': a runtime object of the capture, not saved; '",
+                          "                       'it needs the live autograd objects')"]
+                continue
             lines.append(f"from {module} import {obj.__qualname__} as {name}")
         lines += ["", "", "class Backward(torch.nn.Module):"]
         lines += ["    " + l for l in code.src.strip("\n").splitlines()]
