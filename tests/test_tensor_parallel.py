@@ -363,6 +363,7 @@ def test_loss_parallel_root_gradient_is_traced_through(results):
         assert got["equal"]
         stats = got["stats"]
         assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
+        assert got["opaque"] == ["torch::autograd::AccumulateGrad"], got["opaque"]  # traced through DTensor
         assert got["opaque"] == ["torch::autograd::AccumulateGrad"], got["opaque"]
         assert got["views"]
 
@@ -431,7 +432,7 @@ def _worker_2d(rank, world, port, results):
             fully_shard(m, mesh=mesh["dp"])
             return m
         eager, under = build(), build()
-        equal = True
+        equal, opaque = True, None
         for it in range(STEPS):
             torch.manual_seed(10 * mesh["dp"].get_local_rank() + it)  # a batch per data-parallel rank
             x = torch.randn(3, 8)
@@ -440,11 +441,13 @@ def _worker_2d(rank, world, port, results):
             under.zero_grad()
             with warnings.catch_warnings():
                 warnings.filterwarnings("error", message=".*on the eager engine", category=gradfx.FallbackWarning)
-                with gradfx.compiled_autograd():
+                with gradfx.compiled_autograd() as session:
                     under(x).sum().backward()
+            if session.graphs:
+                opaque = sorted({label.split()[0] for label in session.graphs[0].opaque_nodes})
             equal &= all(torch.equal(a.grad.to_local(), b.grad.to_local()) and a.grad.placements == b.grad.placements
                          for a, b in zip(eager.parameters(), under.parameters()))
-        results[rank] = {"equal": equal, "stats": gradfx.stats()}
+        results[rank] = {"equal": equal, "stats": gradfx.stats(), "opaque": opaque}
 
 
 def test_tensor_parallel_inside_fsdp2_is_captured_as_eager():
@@ -454,3 +457,4 @@ def test_tensor_parallel_inside_fsdp2_is_captured_as_eager():
         assert got["equal"], f"rank {rank}: gradients differ from eager TP inside FSDP2"
         stats = got["stats"]
         assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
+        assert got["opaque"] == ["torch::autograd::AccumulateGrad"], got["opaque"]  # traced through DTensor
