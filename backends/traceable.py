@@ -25,7 +25,14 @@ copy is rewritten:
   too;
 * hook calls stay as they are, without the node they run for: dynamo inlines them,
   guarding on the hook's code, not on the hook object, so hooks recreated every step
-  reuse the compiled code.
+  reuse the compiled code;
+* a graph traced through a tensor subclass (DTensor) takes and computes plain tensors
+  only: a subclass root gradient becomes its inner tensors (the adapter flattens it), a
+  node's saved values are read by the custom op ``torch.ops.gradfx.unpack_saved``, and a
+  subclass rebuilt for a live node (a DTensor leaf's accumulator) is rebuilt inside
+  ``run_node`` from the inner tensors it is given.  A subclass rebuilt for a hook, or
+  handed from one live call to another, has no such form: the backend is not given the
+  graph (it runs on the eager backend, with a warning).
 
 :func:`prepare` returns the rewritten graph and an :class:`Adapter` that turns
 gradfx's runtime inputs into what that graph takes.
@@ -177,6 +184,8 @@ _slots = itertools.count()
 _slot_outputs: dict[int, tuple] = {}  # slot -> ((ndim, dtype, device) per defined output)
 _slot_seen_none: dict[int, tuple] = {}  # slot -> edges without a next node whose None a post-hook sees
 _slot_calls: dict[int, object] = {}  # slot -> how the node runs where not call_node (NodeUnpacking)
+# slot -> per gradient, None or (Rebuild, how many inner tensors): rebuilt before the node runs
+_slot_rebuilds: dict[int, tuple] = {}
 _slot_unpacks: dict[int, object] = {}  # slot -> the SavedUnpack of a traced node under the user's hooks
 _ops_defined = False
 
@@ -205,6 +214,11 @@ def _ops():
 
     def _run_node_as_called(slot, grads, sizes):
         node = _live.nodes[slot]
+        rebuilds = _slot_rebuilds.get(slot)
+        if rebuilds is not None:  # subclass gradients, from the inner tensors the graph computed
+            flat, grads = iter(grads), []
+            for rebuild in rebuilds:
+                grads.append(next(flat) if rebuild is None else rebuild[0](*(next(flat) for _ in range(rebuild[1]))))
         outputs = _slot_outputs[slot]
         metas, at = [], 0
         for ndim, dtype, _ in outputs:
@@ -324,9 +338,18 @@ class Adapter:
         self.deferred: list[tuple] | None = None
         self.outputs = 0  # how many of the graph's outputs are its own
         self.used: list[int] | None = None  # the positions the graph takes (None: all)
+        self.flatten: list[int] = []  # positions of subclass root gradients, taken as their inner tensors
+
+    def expand(self, args) -> list:
+        """``args`` with each subclass root gradient replaced by its inner tensors (the
+        positions every other entry of the adapter speaks of)."""
+        args = list(args)
+        for pos in reversed(self.flatten):
+            args[pos:pos + 1] = runtime_ops.flatten(args[pos])
+        return args
 
     def __call__(self, args) -> list:
-        args = list(args)
+        args = self.expand(args) if self.flatten else list(args)
         for pos in self.contexts:
             args[pos] = args[pos].__dict__
         nodes = _live.nodes
@@ -348,7 +371,10 @@ class Adapter:
     def leaves(self, args) -> list | None:
         """The leaves of the deferred accumulations, taken before the graph runs (it may
         clear its arguments)."""
-        return None if self.deferred is None else [args[d[0]] for d in self.deferred]
+        if self.deferred is None:
+            return None
+        args = self.expand(args) if self.flatten else args
+        return [args[d[0]] for d in self.deferred]
 
     def finish(self, box: list, leaves):
         """Check what the compiled code returned (``box``'s one item), then make the
@@ -389,14 +415,17 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
     """(the compiler-facing copy of ``gm``, the :class:`Adapter` for its inputs)."""
     graph = copy.deepcopy(gm.graph)
     unbucket(graph)  # DDP's hooks as they are: the compiler traces them (and may bucket their collectives)
+    adapter = Adapter()
+    _flatten_roots(graph, adapter, example_inputs)  # a subclass root gradient: its inner tensors
+    example_inputs = adapter.expand(example_inputs)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     position = {n: k for k, n in enumerate(placeholders)}
-    adapter = Adapter()
     adapter.detach = [position[n] for n in placeholders if n.meta.get("gradfx_kind") in ("saved", "grad")]
     saved_of: dict[int, list] = {}
     for n in placeholders:
         if n.meta.get("gradfx_kind") == "saved":
             saved_of.setdefault(n.meta["gradfx_node_index"], []).append(n)
+    _refuse_runtime_subclasses(graph)
     accumulations = []
     nested = False
     python_reads = False  # a hook or a custom backward: Python that could read `.grad`
@@ -437,6 +466,8 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
         elif isinstance(node.target, runtime_ops.SavedUnpack):
             python_reads = True
             _as_unpack_op(graph, node, adapter, position)
+        elif isinstance(node.target, runtime_ops.ReadSaved):
+            _as_read_op(graph, node, adapter, position)
         elif node.target is runtime_ops.release_saved or node.target is runtime_ops.release_hooked:
             graph.erase_node(node)  # compiled code takes no live nodes: released after the run
         elif node.target is runtime_ops.require_gradients:
@@ -461,6 +492,11 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
         for node in accumulations:
             node.target = op
             node.args = (node.args[0], node.args[1], False)
+    for node in [n for n in graph.nodes if _is_rebuild(n)]:
+        if node.users:  # (run_node takes the inner tensors: _as_custom_op)
+            raise NotImplementedError("a tensor subclass rebuilt for a hook or an output (a compiler would "
+                                      "trace its construction)")
+        graph.erase_node(node)
     adapter.contexts = sorted(set(adapter.contexts))
     adapter.outputs = len(graph.output_node().args[0]) - len(adapter.deferred or ())
     _drop_unused_inputs(graph, adapter, placeholders)
@@ -597,6 +633,9 @@ def _as_custom_op(graph, node, adapter, position, autograd_node, call=None):
     if call is not None:
         _slot_calls[slot] = call
     live, metas, _, *grads = node.args
+    if any(_is_rebuild(g) for g in grads):  # the inner tensors go in; run_node rebuilds
+        _slot_rebuilds[slot] = tuple((g.target, len(g.args)) if _is_rebuild(g) else None for g in grads)
+        grads = [a for g in grads for a in (g.args if _is_rebuild(g) else (g,))]
     by_edge = {user.args[1]: user for user in node.users}  # getitem of edge k
     # An output for an edge without a next node, which a post-hook sees: its shape is
     # known only once the node ran, so a custom op cannot return it.  Where the node
@@ -628,6 +667,68 @@ def _as_custom_op(graph, node, adapter, position, autograd_node, call=None):
     for k, user in by_edge.items():  # edge k -> the k-th defined output
         user.args = (call, index[k])
     graph.erase_node(node)
+
+
+def _is_rebuild(value) -> bool:
+    return isinstance(value, fx.Node) and value.op == "call_function" and isinstance(value.target, runtime_ops.Rebuild)
+
+
+class _SavedReader:
+    """ReadSaved as unpack_saved's slot entry: the node's saved values as the plain tensors
+    the graph computes with, in the layouts traced (``expected``)."""
+
+    def __init__(self, read, expected: tuple):
+        self.read, self.expected = read, expected
+
+    def unpack(self, node) -> tuple:
+        return self.read(node)
+
+
+def _as_read_op(graph, node, adapter, position) -> None:
+    """ReadSaved(node) -> unpack_saved(slot), its getitems as they are (every value defined)."""
+    op = _ops().unpack_saved.default
+    slot = next(_slots)
+    _slot_unpacks[slot] = _SavedReader(node.target, node.target.layouts)
+    adapter.slots.append((position[node.args[0]], slot))
+    with graph.inserting_before(node):
+        call = graph.call_function(op, (slot,))
+    call.meta.update(node.meta)
+    node.replace_all_uses_with(call)
+    graph.erase_node(node)
+
+
+def _refuse_runtime_subclasses(graph) -> None:
+    """Raise where a value the run hands from one live call to another may be a tensor
+    subclass whose context only the run knows (the capture marked it): a custom op can
+    neither take nor return one."""
+    for node in graph.nodes:
+        if node.meta.get("gradfx_subclass") and any(u.op == "call_function" for u in node.users):
+            raise NotImplementedError(f"{node.meta.get('gradfx_node', node.name)} hands on what may be a tensor "
+                                      "subclass of a context known only at run time (a hook's result)")
+
+
+def _flatten_roots(graph, adapter, example_inputs) -> None:
+    """flatten(root gradient) -> one placeholder per inner tensor, where the root's was (the
+    adapter flattens the root gradient the run hands in: Adapter.expand)."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    for node in list(graph.find_nodes(op="call_function", target=runtime_ops.flatten)):
+        root = node.args[0]
+        pos = placeholders.index(root)
+        count = len(runtime_ops.flatten(example_inputs[pos]))
+        with graph.inserting_before(root):
+            inner = [graph.placeholder(f"{root.name}_{k}") for k in range(count)]
+        for user in list(node.users):  # getitem k -> placeholder k
+            inner[user.args[1]].meta.update(user.meta)
+            user.replace_all_uses_with(inner[user.args[1]])
+            graph.erase_node(user)
+        for placeholder in inner:
+            placeholder.meta["gradfx_kind"] = "grad"
+        graph.erase_node(node)
+        if root.users:
+            raise NotImplementedError("a subclass root gradient that a live call takes as it is")
+        graph.erase_node(root)
+        adapter.flatten.append(pos)
+    adapter.flatten.sort()
 
 
 def _device_of(getitem, grads) -> torch.device:

@@ -182,6 +182,20 @@ if torch.__version__ >= "2.12":  # on 2.11 eager TP fails on the layer (a view f
     MODELS["transformer_encoder_layer"] = _encoder_layer
 
 
+def _user_backend(gm, example_inputs):
+    """A user's compiler: it is given plain tensors and sizes (no DTensor, no live autograd
+    object) and runs the graph as given."""
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor:
+            raise AssertionError(f"a user backend was given a {type(x).__name__}")
+        if isinstance(x, torch.autograd.graph.Node):
+            raise AssertionError("a user backend was given an autograd node")
+    return gm
+
+
+BACKENDS = {"eager": "eager", "aot_eager": "aot_eager", "user": _user_backend}
+
+
 def _run(build, mesh, rank, under_gradfx, backend, graphs=None):
     import gradfx
     torch.manual_seed(0)
@@ -201,7 +215,7 @@ def _run(build, mesh, rank, under_gradfx, backend, graphs=None):
             with warnings.catch_warnings():
                 # no fallback to the engine (a compiler with nothing to compile says so: allowed)
                 warnings.filterwarnings("error", message=".*on the eager engine", category=gradfx.FallbackWarning)
-                with gradfx.compiled_autograd(backend) as session:
+                with gradfx.compiled_autograd(BACKENDS.get(backend, backend)) as session:
                     loss.backward()
             graphs += session.graphs
         else:
@@ -222,9 +236,10 @@ def _compare(build, mesh, rank, backend) -> dict:
     got, got_calls = _run(build, mesh, rank, True, backend, graphs)
     first = graphs[0]
     ops = {str(n.target) for n in first.graph_module.graph.nodes if n.op == "call_function"}
-    same = torch.equal if backend == "eager" else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
+    bitwise = backend in ("eager", "user")
+    same = torch.equal if bitwise else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
     return {"equal": all(same(a, b) and pa == pb for ws, gs in zip(eager, got) for (a, pa), (b, pb) in zip(ws, gs)),
-            "calls": eager_calls == got_calls if backend == "eager" else
+            "calls": eager_calls == got_calls if bitwise else
             [c if isinstance(c, str) else c[0] for c in eager_calls] ==
             [c if isinstance(c, str) else c[0] for c in got_calls],
             "stats": gradfx.stats(),
@@ -299,7 +314,7 @@ def _worker(rank, world, port, results):
     with gloo_group(rank, world, port):
         mesh = init_device_mesh("cpu", (world,))
         for name, build in MODELS.items():
-            for backend in ("eager", "aot_eager"):
+            for backend in BACKENDS:
                 record_case(results, (name, backend, rank), lambda: _compare(build, mesh, rank, backend))
         record_case(results, ("twice", rank), lambda: _twice(mesh))
         record_case(results, ("loss_parallel", rank), lambda: _loss_parallel(mesh))
@@ -310,7 +325,7 @@ def results():
     return spawn_ranks(_worker, 2)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_tensor_parallel_backward_is_captured_as_eager(results, name, backend):
     for rank in (0, 1):

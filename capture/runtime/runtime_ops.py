@@ -282,8 +282,9 @@ class ReadSaved:
 
     __name__ = "read_saved"
 
-    def __init__(self, attrs: tuple):
-        self.attrs = attrs
+    def __init__(self, attrs: tuple, layouts: tuple):
+        """``layouts``: per inner tensor, (shape, strides, dtype, device) as traced."""
+        self.attrs, self.layouts = attrs, layouts
 
     def __repr__(self):
         return f"read_saved{list(self.attrs)}"
@@ -368,11 +369,25 @@ def _steals(variable: torch.Tensor, grad: torch.Tensor) -> bool:
 def _steal_first_grad(variable: torch.Tensor, grad: torch.Tensor, copy: bool) -> tuple:
     """AccumulateGrad's steal, then its post-accumulate-grad hooks, as the node calls them."""
     with torch._C.DisableTorchFunctionSubclass():
-        variable.grad = grad.clone() if copy else grad.detach()
+        variable.grad = _fresh_copy(grad) if copy else grad.detach()
         post = variable._post_accumulate_grad_hooks
     for hook in tuple(post.values()) if post else ():
         hook_ops.call_post_accumulate_hook(hook, variable)  # the running node is set by _as_node
     return ()
+
+
+def _fresh_copy(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` in memory of its own: for a subclass with the flatten protocol, rebuilt
+    around copies of its inner tensors (a DTensor's ``clone`` would reduce a Partial one:
+    another placement, other values)."""
+    if not subclasses.traceable(type(grad)):
+        return grad.clone()
+    names, ctx = subclasses.flatten(grad)
+    parts = {}
+    for name in names:
+        part = getattr(grad, name)
+        parts[name] = _fresh_copy(part) if isinstance(part, torch.Tensor) else part
+    return type(grad).__tensor_unflatten__(parts, ctx, grad.shape, grad.stride())
 
 
 class NodeUnpacking:

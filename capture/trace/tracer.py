@@ -43,7 +43,7 @@ from .rules_builtin import copy_slices
 from .shapes import SymbolicSizes
 from ..graph import hidden as graph_hidden, subclasses, unpacked
 from ..graph.saved import ForeignOwned, foreign_hooks, saved_layouts, substitute, substituted, take_saved
-from ..graph.kinds import ACCUMULATE, FUNCTION, REGION_INTS, subclass_grads, type_info
+from ..graph.kinds import ACCUMULATE, FUNCTION, REGION_INTS, SUBCLASS_GRADS, subclass_grads, type_info
 from ..graph.walk import BackwardCall
 from ..errors import _Fallback
 
@@ -203,8 +203,7 @@ class _Tracer:
         if self.symbolic is not None or self.call.create_graph:
             fake = self.new_fake(tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
             track_tensor_tree(fake, proxy, constant=None, tracer=self.tracer)
-            self.unknown.add(id(fake))
-            self.keep.append(fake)
+            self.mark_unknown(fake)
             return fake
         flat: list = []
         subclasses.flat_inner(value, flat)
@@ -395,8 +394,7 @@ class _Tracer:
                 fake = self.new_fake(x.shape, x.stride(), x.dtype, x.device)
                 track_tensor_tree(fake, proxy if single else proxy[k], constant=None, tracer=self.tracer)
                 if type(x) is not FakeTensor or id(x) in self.unknown:  # a subclass went in
-                    self.unknown.add(id(fake))
-                    self.keep.append(fake)
+                    self.mark_unknown(fake)
                 outs.append(fake)
         return outs[0] if single else tuple(outs)
 
@@ -412,6 +410,14 @@ class _Tracer:
         if isinstance(x, torch.SymInt):  # a symbolic size: the graph value that computes it
             return fetch_sym_proxy(self.tracer)(x)
         return x
+
+    def mark_unknown(self, fake) -> None:
+        """``fake`` stands for a runtime value that may be a tensor subclass whose context only
+        the run knows; its fx node says so too (a compiler's form of the graph refuses it:
+        backends.traceable)."""
+        self.unknown.add(id(fake))
+        self.keep.append(fake)
+        self.proxy(fake).node.meta["gradfx_subclass"] = True
 
     def rebuilt_proxy(self, x):
         """The graph value of fake subclass ``x`` (traced through) as a runtime call takes it:
@@ -701,7 +707,8 @@ class _Tracer:
                 subclasses.flat_inner(value, flat)
         like = tuple(self.new_fake(tuple(t.shape), "contiguous" if t.is_contiguous() else tuple(t.stride()),
                                    t.dtype, t.device) for t in flat)
-        inner = iter(self.python_call(runtime_ops.ReadSaved(info.saved_tensors),
+        layouts = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in flat)
+        inner = iter(self.python_call(runtime_ops.ReadSaved(info.saved_tensors, layouts),
                                       (_Input(self.call.records[i].node_input),), like, self.call_label(i),
                                       "compute"))
         for k, value in enumerate(values):
@@ -827,10 +834,12 @@ class _Tracer:
         call.meta["gradfx_node_index"] = i
         if function and self.call.owned[i] is not None:
             call.meta["gradfx_saved_mask"] = self.call.owned[i].mask
-        for o in outs:
+        for o, e in zip(outs, self.call.records[i].edges):
             if o is not None and not isinstance(o, _Unshaped):
                 self.maybe_none.add(id(o))
                 self.keep.append(o)
+                if e is not None and self.call.records[e[0]].subclass == SUBCLASS_GRADS:
+                    self.mark_unknown(o)  # what it hands a node taking a subclass's gradient
         return outs
 
     # -- saved tensors under the user's hooks (graph.unpacked) -------------------
@@ -891,9 +900,9 @@ class _Tracer:
         if id(old) in self.maybe_none or id(new) in self.maybe_none or unknown:
             out = self.python_call(runtime_ops.add_grads, (old, new), old, label, "compute")
             self.maybe_none.add(id(out))
-            if unknown:
-                self.unknown.add(id(out))
             self.keep.append(out)
+            if unknown:
+                self.mark_unknown(out)
             return out
         return old + new
 
