@@ -764,3 +764,43 @@ def test_a_leaf_hook_added_after_capture_runs(hook):
     with gradfx.compiled_autograd():
         model(x).sum().backward()
     assert len(calls) == 1 and torch.equal(calls[0], eager)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "prehook", "posthook", "retain"])
+def test_a_hook_added_to_a_node_that_had_none_runs_while_others_are_live(kind):
+    """Hooks live on one layer (as FSDP2's are on every one): the walker tells the nodes
+    without any hook in one C++ call each (hookless), so a hook that comes later on such a
+    node, of any kind, must still be found by the walk, and run as in eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    model[0].register_full_backward_hook(lambda m, gi, go: None)
+
+    def backward(under_gradfx, add_hook):
+        calls = []
+        mid = model[2](model[1](model[0](torch.ones(4, 8))))  # the same graph, one tensor at hand
+        out = model[4](model[3](mid)).sum()
+        if add_hook:
+            if kind == "tensor":
+                mid.register_hook(lambda g: calls.append(g.clone()))
+            elif kind == "prehook":
+                mid.grad_fn.register_prehook(lambda gs: calls.append(gs[0].clone()))
+            elif kind == "posthook":
+                mid.grad_fn.register_hook(lambda gi, go: calls.append(go[0].clone()))
+            else:
+                mid.retain_grad()
+        model.zero_grad(set_to_none=True)
+        if under_gradfx:
+            with gradfx.compiled_autograd():
+                out.backward()
+        else:
+            out.backward()
+        if kind == "retain" and add_hook:
+            calls.append(mid.grad.clone())
+        return calls, [p.grad.clone() for p in model.parameters()]
+
+    for _ in range(2):
+        backward(True, False)  # captured without that hook, then a cache hit
+    eager = backward(False, True)
+    got = backward(True, True)
+    assert len(got[0]) == len(eager[0]) == 1 and torch.equal(got[0][0], eager[0][0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], eager[1]))
