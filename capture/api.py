@@ -41,11 +41,11 @@ def capture(outputs, grad_outputs=None, *, inputs=None, dynamic=False, names=Non
     ``names``: as for :func:`compiled_autograd`.
     """
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-    for k, t in enumerate(outputs + ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ()))):
+    for t in outputs + ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())):
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and not (
-                k < len(outputs) and isinstance(t, torch.Tensor) and subclasses.traceable(type(t))):
-            # Reading a subclass's autograd graph would call its __torch_function__ (an
-            # output traced through, a DTensor loss, has none).
+                isinstance(t, torch.Tensor) and subclasses.traceable(type(t))):
+            # Reading a subclass's autograd graph would call its __torch_function__ (one
+            # traced through, a DTensor loss or parameter, has none).
             raise Unsupported(f"gradfx.capture of a tensor subclass ({type(t).__name__})")
     for k, out in enumerate(outputs):
         if isinstance(out, torch.Tensor) and out.grad_fn is None and not out.requires_grad:

@@ -307,6 +307,35 @@ def _loss_parallel(mesh):
             "stats": stats, "opaque": sorted({label.split()[0] for label in graph.opaque_nodes}), "views": views}
 
 
+def _grad_of_parameters(mesh):
+    """torch.autograd.grad with respect to DTensor parameters (and the input): the gradients
+    come back as the DTensors eager returns, placements included; nothing accumulates."""
+    import gradfx
+    got = []
+    for under_gradfx in (False, True):
+        gradfx.reset()
+        torch.manual_seed(0)
+        model, shape = _block(mesh)
+        params = list(model.parameters())
+        out = []
+        for it in range(STEPS):
+            torch.manual_seed(100 + it)
+            x = torch.randn(*shape, requires_grad=True)
+            loss = model(x).square().mean()
+            if under_gradfx:
+                with gradfx.compiled_autograd():
+                    grads = torch.autograd.grad(loss, [x] + params)
+            else:
+                grads = torch.autograd.grad(loss, [x] + params)
+            out.append([(g.to_local() if hasattr(g, "to_local") else g, getattr(g, "placements", None), type(g))
+                        for g in grads])
+        got.append((out, gradfx.stats(), all(p.grad is None for p in params)))
+    (eager, _, _), (mine, stats, untouched) = got
+    return {"equal": all(torch.equal(a, b) and pa == pb and ta is tb
+                         for ws, gs in zip(eager, mine) for (a, pa, ta), (b, pb, tb) in zip(ws, gs)),
+            "stats": stats, "untouched": untouched}
+
+
 def _worker(rank, world, port, results):
     from gradfx.capture import native
     assert native.wait() is not None, native.reason()  # a DTensor's gradients are told by it
@@ -318,6 +347,7 @@ def _worker(rank, world, port, results):
                 record_case(results, (name, backend, rank), lambda: _compare(build, mesh, rank, backend))
         record_case(results, ("twice", rank), lambda: _twice(mesh))
         record_case(results, ("loss_parallel", rank), lambda: _loss_parallel(mesh))
+        record_case(results, ("grad", rank), lambda: _grad_of_parameters(mesh))
 
 
 @pytest.fixture(scope="module")
@@ -381,6 +411,15 @@ def test_loss_parallel_root_gradient_is_traced_through(results):
         assert got["opaque"] == ["torch::autograd::AccumulateGrad"], got["opaque"]  # traced through DTensor
         assert got["opaque"] == ["torch::autograd::AccumulateGrad"], got["opaque"]
         assert got["views"]
+
+
+def test_autograd_grad_with_respect_to_dtensor_parameters(results):
+    for rank in (0, 1):
+        got = results[("grad", rank)]
+        assert "error" not in got, got.get("error")
+        assert got["equal"] and got["untouched"]
+        stats = got["stats"]
+        assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
 
 
 def test_retain_graph_twice_over_a_tensor_parallel_graph(results):

@@ -240,12 +240,21 @@ def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool =
             rec.kind = spec.walk(w, rec, i, node, info)
         elif i in captures:  # tensor pre-hooks still run before the capture
             walk_metas(w, rec, node)  # what the gradients captured there are validated against
-            leaf = readable(node.variable, "as the leaf", node) if info.kind is ACCUMULATE else None
+            leaf = _captured_leaf(node) if info.kind is ACCUMULATE else None
             walk_hooks(w, rec, i, node, leaf)
     owned = [w.owned.get(i) for i in range(n)]
     return BackwardCall(records, roots, outputs, accumulate, captures, w.input_kinds, w.input_owner,
                         w.tensor_slots, StructureKey(tuple(w.key)), nodes, seq, owned, w.inputs, w.sizes,
                         create_graph)
+
+
+def _captured_leaf(node):
+    """The leaf of an accumulator autograd.grad captures at: a plain tensor, or a subclass
+    traced through (a DTensor parameter: only its hooks are read, past nothing)."""
+    leaf = node.variable
+    if subclasses.traceable(type(leaf)):
+        return leaf
+    return readable(leaf, "as the leaf", node)
 
 
 def _exec_info(edges, outputs, accumulate):

@@ -611,12 +611,11 @@ def _grad_inputs(call: BackwardCall) -> frozenset | None:
 
 def _check_call(tensors, grad_tensors, inputs) -> None:
     """Raises _Fallback for roots, inputs or gradients gradfx does not capture."""
-    for t in tensors:  # a root may be a subclass traced through (a DTensor loss): only its edge is read
+    # A root or input may be a subclass traced through (a DTensor loss or parameter): only
+    # its edge is read.
+    for t in (*tensors, *(inputs or ())):
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and not (
                 isinstance(t, torch.Tensor) and subclasses.traceable(type(t))):
-            _refuse_type(t)
-    for t in inputs or ():
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             _refuse_type(t)
     if any(g is None for g in grad_tensors):
         raise _Fallback("a root without a gradient")  # eager raises the error
