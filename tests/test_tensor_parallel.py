@@ -63,19 +63,24 @@ class _Hooked(nn.Module):
     """A DTensor activation between the parallel linears (the first keeps its output a
     DTensor) with a tensor hook, and hooks on the DTensor parameters' gradients."""
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, hooks=True):
         super().__init__()
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
         parallelize_module(self, mesh, {"up": ColwiseParallel(use_local_output=False),
                                         "down": RowwiseParallel(input_layouts=Shard(-1))})
-        for p in self.parameters():
+        self.hooks, self.kept = hooks, None
+        for p in self.parameters() if hooks else ():
             p.register_hook(lambda g: g * 0.5)
 
     def forward(self, x):
         h = self.up(x)
-        h.register_hook(lambda g: g * 2.0)
+        if self.hooks:
+            h.register_hook(lambda g: g * 2.0)
+        else:  # its gradient kept instead (retain_grad on a DTensor)
+            h.retain_grad()
+            self.kept = h
         return self.down(F.relu(h))
 
 
@@ -307,6 +312,32 @@ def _loss_parallel(mesh):
             "stats": stats, "opaque": sorted({label.split()[0] for label in graph.opaque_nodes}), "views": views}
 
 
+def _retained(mesh):
+    """retain_grad() on a DTensor activation: its .grad is the DTensor eager keeps."""
+    import gradfx
+    got = []
+    for under_gradfx in (False, True):
+        gradfx.reset()
+        torch.manual_seed(0)
+        model = _Hooked(mesh, hooks=False)
+        out = []
+        for it in range(STEPS):
+            torch.manual_seed(100 + it)
+            loss = model(torch.randn(6, 8)).square().mean()
+            if under_gradfx:
+                with gradfx.compiled_autograd():
+                    loss.backward()
+            else:
+                loss.backward()
+            kept = model.kept.grad
+            out.append((kept.to_local(), kept.placements, [p.grad.to_local() for p in model.parameters()]))
+            model.zero_grad()
+        got.append((out, gradfx.stats()))
+    (eager, _), (mine, stats) = got
+    return {"equal": all(torch.equal(a, b) and pa == pb and all(torch.equal(u, v) for u, v in zip(ga, gb))
+                         for (a, pa, ga), (b, pb, gb) in zip(eager, mine)), "stats": stats}
+
+
 def _grad_of_parameters(mesh):
     """torch.autograd.grad with respect to DTensor parameters (and the input): the gradients
     come back as the DTensors eager returns, placements included; nothing accumulates."""
@@ -348,6 +379,7 @@ def _worker(rank, world, port, results):
         record_case(results, ("twice", rank), lambda: _twice(mesh))
         record_case(results, ("loss_parallel", rank), lambda: _loss_parallel(mesh))
         record_case(results, ("grad", rank), lambda: _grad_of_parameters(mesh))
+        record_case(results, ("retained", rank), lambda: _retained(mesh))
 
 
 @pytest.fixture(scope="module")
@@ -418,6 +450,15 @@ def test_autograd_grad_with_respect_to_dtensor_parameters(results):
         got = results[("grad", rank)]
         assert "error" not in got, got.get("error")
         assert got["equal"] and got["untouched"]
+        stats = got["stats"]
+        assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
+
+
+def test_retain_grad_on_a_dtensor_activation(results):
+    for rank in (0, 1):
+        got = results[("retained", rank)]
+        assert "error" not in got, got.get("error")
+        assert got["equal"]
         stats = got["stats"]
         assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
 

@@ -37,7 +37,7 @@ from torch.autograd.function import _HookMixin
 from torch.overrides import has_torch_function_unary
 
 from ..torch_releases import node_token
-from . import distributed
+from . import distributed, subclasses
 from .saved import plain_type, unreadable
 
 
@@ -325,9 +325,11 @@ def retained_by_node(index: dict) -> dict:
         tensor = ref()
         if tensor is None:
             continue
-        if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+        if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter and \
+                not subclasses.traceable(type(tensor)):
             # A subclass (the wrapper notes it when its __torch_function__ calls back):
             # its node read past that and its own properties; in this walk, it falls back.
+            # (One traced through, a DTensor, has no __torch_function__: read as a tensor.)
             with torch._C.DisableTorchFunction():
                 node = torch._C.TensorBase.grad_fn.__get__(tensor)
             if id(node) in index:
