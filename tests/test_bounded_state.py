@@ -89,3 +89,16 @@ def test_session_graphs_keep_no_code_per_pass():
     assert [r.name for r in s.graphs[0].passes] == gradfx.list_passes()
     assert not any(isinstance(v, str) and "\n" in v for v in vars(record).values())
     assert str(record).startswith(f"{record.name}: ")
+
+
+def test_subclass_layout_ids_are_bounded_and_never_reused(monkeypatch):
+    """The numbers standing for subclass layouts among the sizes: a bounded table, whose
+    forgotten entries come back with new numbers (so a graph is found again by a capture,
+    never found for other layouts)."""
+    from gradfx.capture.graph import subclasses
+    monkeypatch.setattr(subclasses, "_layout_ids", type(subclasses._layout_ids)())
+    monkeypatch.setattr(subclasses, "_LAYOUTS_KEPT", 3)
+    ids = [subclasses.layout_id(("layout", k)) for k in range(5)]
+    assert len(set(ids)) == 5 and len(subclasses._layout_ids) == 3
+    assert subclasses.layout_id(("layout", 4)) == ids[4]  # remembered
+    assert subclasses.layout_id(("layout", 0)) not in ids  # forgotten: a new number

@@ -16,7 +16,9 @@ only for that context and those inner layouts.  Reading it calls the subclass's
 
 from __future__ import annotations
 
+import itertools
 import sys
+from collections import OrderedDict
 
 import torch
 
@@ -88,14 +90,21 @@ def flat_inner(t: torch.Tensor, out: list) -> None:
             flat_inner(value, out)
 
 
-_layout_ids: dict = {}  # layouts -> id; few per process (one per model's node and placement)
+_layout_ids: OrderedDict = OrderedDict()  # layouts -> id, the most recently asked last
+_LAYOUTS_KEPT = 4096  # bounded: a forgotten one gets a new id (a capture), never a wrong graph
 _FIRST_ID = 1 << 40  # far from any size, so that no size is ever related to one
+_next_id = itertools.count(_FIRST_ID)
 
 
 def layout_id(layouts) -> int:
-    """A number standing for ``layouts`` (equal layouts, equal numbers) among a backward's
-    sizes: a static graph is found by its exact sizes."""
+    """A number standing for ``layouts`` (equal layouts, equal numbers while remembered; a
+    number is never given to other layouts) among a backward's sizes: a static graph is
+    found by its exact sizes."""
     found = _layout_ids.get(layouts)
     if found is None:
-        found = _layout_ids[layouts] = _FIRST_ID + len(_layout_ids)
+        found = _layout_ids[layouts] = next(_next_id)
+        if len(_layout_ids) > _LAYOUTS_KEPT:
+            _layout_ids.popitem(last=False)
+    else:
+        _layout_ids.move_to_end(layouts)
     return found
