@@ -768,9 +768,9 @@ def test_a_leaf_hook_added_after_capture_runs(hook):
 
 @pytest.mark.parametrize("kind", ["tensor", "prehook", "posthook", "retain"])
 def test_a_hook_added_to_a_node_that_had_none_runs_while_others_are_live(kind):
-    """Hooks live on one layer (as FSDP2's are on every one): the walker tells the nodes
-    without any hook in one C++ call each (hookless), so a hook that comes later on such a
-    node, of any kind, must still be found by the walk, and run as in eager."""
+    """Hooks live on one layer (as FSDP2's are on every one): a hook that comes later, of
+    any kind, on a node that had none when captured is found by the cache-hit walk (it
+    collects every node's hooks while any are live) and runs as in eager."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
     model[0].register_full_backward_hook(lambda m, gi, go: None)

@@ -163,7 +163,7 @@ def generate(call: BackwardCall, tensors, structure):
                      leave_to_node=leave_to_node, subclass_grads=subclass_grads,
                      partial=partial, stream_ok=stream_ok, hidden_state=hidden_state, native_metas=_native('metas'), native_tensor=_native('tensor'),
                      native_structure=_native('structure'), native_saved=_native('saved'),
-                     native_leaf=_native('leaf'), hookless=_native('hookless'),
+                     native_leaf=_native('leaf'),
                      unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, leaf_hooks=hooks.leaf_hooks, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooked_mask=_accumulators_hooked)

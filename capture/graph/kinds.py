@@ -634,11 +634,9 @@ def emit_hooks(src, i: int, rec: NodeRecord, var: str | None, subclass: bool = F
     expected = rec.hooks.key() if rec.hooks is not None else None
     leaf = var if var is not None else "None"
     call = f"collect(n{i}, {leaf}, retained.get({i}, ()), active)"
-    # No hook anywhere and a leaf without tensor hooks: the common case stays cheap.  Where
-    # hooks are live elsewhere (FSDP2's, on every layer), a node without any hook list is
-    # told in one C++ call.
+    # No hook anywhere and a leaf without tensor hooks: the common case stays cheap.
     if var is None:
-        quiet = "not active or hookless(n{i})".format(i=i) if native.module() is not None else "not active"
+        quiet = "not active"
     elif subclass:
         quiet = f"(not active and leaf_hooks({var}) == (None, None))"
     else:

@@ -276,25 +276,6 @@ PyObject* subclass_inputs(PyObject* /*self*/, PyObject* object) {
 PyMethodDef subclass_inputs_def = {"subclass_inputs", subclass_inputs, METH_O,
                                    "does the node take a tensor subclass's gradient"};
 
-// Has the node no hook of any kind: tensor pre-hooks, retains-grad hooks, pre- and
-// post-hooks?  A walk where hooks are live somewhere asks this before collecting a node's
-// hooks in Python (graph.hooks.collect): under FSDP2, whose hooks are on every layer, that
-// was a call per node.  A node with a hook list, even an emptied one, is collected.
-PyObject* hookless(PyObject* /*self*/, PyObject* object) {
-  Node* node = node_of(object);
-  if (node == nullptr) {
-    PyErr_SetString(PyExc_TypeError, "hookless(node): expected an autograd node");
-    return nullptr;
-  }
-  if (node->tensor_pre_hooks().empty() && node->retains_grad_hooks().empty() && node->pre_hooks().empty() &&
-      node->post_hooks().empty()) {
-    Py_RETURN_TRUE;
-  }
-  Py_RETURN_FALSE;
-}
-
-PyMethodDef hookless_def = {"hookless", hookless, METH_O, "has the node no hook of any kind"};
-
 PyMethodDef leaf_def = {"leaf", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&leaf_fastcall)),
                         METH_FASTCALL, "AccumulateKind.check's reads of a leaf: the leaf, or None"};
 
@@ -331,5 +312,4 @@ void add_walk(py::module_& m) {
   m.attr("tensor") = py::reinterpret_steal<py::object>(PyCFunction_New(&tensor_def, nullptr));
   m.attr("leaf") = py::reinterpret_steal<py::object>(PyCFunction_New(&leaf_def, nullptr));
   m.attr("subclass_inputs") = py::reinterpret_steal<py::object>(PyCFunction_New(&subclass_inputs_def, nullptr));
-  m.attr("hookless") = py::reinterpret_steal<py::object>(PyCFunction_New(&hookless_def, nullptr));
 }
