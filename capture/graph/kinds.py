@@ -408,7 +408,7 @@ def emit_hidden(src, i: int, rec: NodeRecord) -> None:
 def walk_saved(w: Walk, rec: NodeRecord, i: int, node, info: TypeInfo, subclasses_too: bool = False) -> bool:
     """Take the node's saved tensors over as inputs; False if the user's hooks own them, or
     if one is a tensor subclass (True for a builtin node, ``subclasses_too``: its saved
-    values are left to it and the graph reads them as it runs, see walk_subclass_saved)."""
+    values are left to it and the graph reads them as it runs, see walk_subclass_values)."""
     try:
         owned, mask, values = take_saved(node, info.raw_saved, info.saved_tensors)
     except ForeignHooks:

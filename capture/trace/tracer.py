@@ -198,7 +198,7 @@ class _Tracer:
     def subclass_root(self, pos, value, proxy):
         """The fake for a root gradient that is a tensor subclass (a DTensor loss's): in a
         static trace, the subclass around fakes of its inner tensors, which the graph reads
-        off the gradient (runtime_ops.Flatten); in a symbolic one, a plain fake standing for
+        off the gradient (runtime_ops.flatten); in a symbolic one, a plain fake standing for
         what the run hands in (the nodes it reaches run as themselves)."""
         if self.symbolic is not None or self.call.create_graph:
             fake = self.new_fake(tuple(value.shape), tuple(value.stride()), value.dtype, value.device)
@@ -694,7 +694,7 @@ class _Tracer:
         """Fakes for node ``i``'s saved values while its formula is traced: the graph reads the
         values from the node (runtime_ops.ReadSaved, eager's unpack and checks) as plain
         inner tensors; a subclass value's fake is the subclass around fakes of those.  The
-        walk keyed their layouts and contexts (saved.saved_layouts)."""
+        walk's sizes hold the id of their layouts and contexts (kinds.walk_subclass_values)."""
         if foreign_hooks(node, info.raw_saved):
             raise TypeError("its saved tensors are under saved_tensors_hooks")
         with _disable_current_modes():  # the real values, unpacked as the node would
@@ -707,8 +707,8 @@ class _Tracer:
                 subclasses.flat_inner(value, flat)
         like = tuple(self.new_fake(tuple(t.shape), "contiguous" if t.is_contiguous() else tuple(t.stride()),
                                    t.dtype, t.device) for t in flat)
-        layouts = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in flat)
-        inner = iter(self.python_call(runtime_ops.ReadSaved(info.saved_tensors, layouts),
+        read = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in flat)
+        inner = iter(self.python_call(runtime_ops.ReadSaved(info.saved_tensors, read),
                                       (_Input(self.call.records[i].node_input),), like, self.call_label(i),
                                       "compute"))
         for k, value in enumerate(values):
