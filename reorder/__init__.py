@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from .bucket_allreduces import bucket_allreduces
 from .dce import eliminate_dead_code
+from .inplace_sums import inplace_sums
 from .memory import free_inputs_early
 from .schedule import early_side_effects
 from .strip_detach import strip_detach
@@ -51,10 +52,11 @@ register_pass("strip_detach", strip_detach)
 register_pass("dce", eliminate_dead_code)
 register_pass("early_side_effects", early_side_effects)
 register_pass("bucket_allreduces", bucket_allreduces)
+register_pass("inplace_sums", inplace_sums)
 register_pass("free_inputs_early", free_inputs_early)
 
 DEFAULT_PIPELINE: tuple[str, ...] = ("strip_detach", "dce", "early_side_effects", "bucket_allreduces",
-                                     "free_inputs_early")
+                                     "inplace_sums", "free_inputs_early")
 
 
 def list_passes() -> list[str]:

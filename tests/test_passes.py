@@ -163,3 +163,64 @@ def test_post_accumulate_hook_sees_fresh_grad_before_the_rest_of_backward():
         return params, step
     log = run_both(build)
     assert all(entry[2] for entry in log)
+
+
+class _TwoBranches(nn.Module):
+    """h feeds two branches: its gradient is the sum of theirs (a buffer sum), which eager
+    makes in place into the first, a fresh tensor nothing else holds.  ``shared``: the
+    first branch's gradient also reaches another input (an add hands one tensor to both),
+    so that it is not the sum's alone."""
+
+    def __init__(self, shared=False):
+        super().__init__()
+        self.shared = shared
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        left = self.b(h) + x if self.shared else self.b(h)
+        return (left * self.c(h).sigmoid()).sum()
+
+
+def _sums(graph):
+    nodes = [n for n in graph.nodes if n.meta.get("gradfx_buffer_sum")]
+    return [n.target for n in nodes]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_inplace_sums_sums_into_a_gradient_the_graph_alone_holds(shared):
+    """The recorded buffer sum becomes aten.add_ where its first operand is a fresh tensor
+    nothing else uses (eager adds in place there too); gradients bitwise either way."""
+    torch.manual_seed(0)
+    model = _TwoBranches(shared)
+    x = torch.randn(4, 8, requires_grad=True)
+    graph = gradfx.capture(model(x)).graph_module.graph
+    assert aten.add_.Tensor in _sums(graph) or shared
+    compare_training(lambda: _TwoBranches(shared), lambda: (torch.randn(4, 8, requires_grad=True),))
+
+
+def test_inplace_sums_leaves_a_shared_or_viewed_first_operand_alone():
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    fresh = g.call_function(aten.mul.Tensor, (x, y))
+    kept = g.call_function(aten.mul.Tensor, (x, y))
+    other = g.call_function(aten.neg.default, (kept,))  # kept has a second user
+    view = g.call_function(aten.t.default, (g.call_function(aten.mul.Tensor, (x, y)),))
+    sums = [g.call_function(aten.add.Tensor, (first, y)) for first in (fresh, kept, x, view)]
+    g.output((*sums, other))
+    fake = torch._subclasses.FakeTensorMode()
+    with fake:
+        vals = {"x": torch.empty(4, 4), "y": torch.empty(4, 4)}
+    for n in g.nodes:
+        if n.op == "placeholder":
+            n.meta["val"] = vals[n.name]
+        elif n.op == "call_function":
+            with fake:
+                n.meta["val"] = n.target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args])
+    for s in sums:
+        s.meta["gradfx_buffer_sum"] = True
+    before = _copy(g)
+    run_pipeline(g, resolve(["inplace_sums"]))
+    # the fresh product's sum in place; a shared one, an input, a transposed view: not
+    assert [s.target for s in sums] == [aten.add_.Tensor, aten.add.Tensor, aten.add.Tensor, aten.add.Tensor]
+    _check_invariants(before, g, [torch.randn(4, 4), torch.randn(4, 4)])

@@ -904,7 +904,10 @@ class _Tracer:
             if unknown:
                 self.mark_unknown(out)
             return out
-        return old + new
+        out = old + new
+        if type(out) is FakeTensor:  # (reorder.inplace_sums makes it in place where eager does)
+            self.proxy(out).node.meta["gradfx_buffer_sum"] = True
+        return out
 
     def accumulate(self, i, grad, var_input):
         label = self.call.node_label(i)

@@ -1,0 +1,81 @@
+"""Sum gradients into the input buffer in place, where eager does.
+
+When a second gradient reaches an input that already holds one, the engine adds it into
+the first in place (``InputBuffer::accumulate``: ``old.add_(new)``) if the buffer holds
+the only reference to the first and it is a plain dense tensor.  The tracer records the
+sum as ``old + new``: the same values, in a fresh tensor per sum, which costs an
+allocation (on the CPU, fresh pages for a large one) and raises peak memory.  This pass
+turns a recorded sum (``meta["gradfx_buffer_sum"]``) into ``aten.add_`` where the graph
+alone holds the first gradient: an aten op made it as a tensor of its own (not an alias
+of its inputs; a view of such a tensor that nothing else uses, and an earlier in-place
+sum into one, count), nothing but this sum uses it, and it is contiguous, of the sum's
+dtype and shape.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..capture.trace.plain_layout import plainly_contiguous
+
+aten = torch.ops.aten
+SUM = "gradfx_buffer_sum"  # node.meta key the tracer sets on a recorded sum
+
+# Ops that return a tensor sharing its input's storage without saying so in their schema.
+_SHARES_STORAGE = frozenset({aten._unsafe_view.default, aten._reshape_alias.default, aten.lift_fresh.default})
+
+
+def inplace_sums(graph: fx.Graph) -> None:
+    for node in graph.find_nodes(op="call_function", target=aten.add.Tensor):
+        if node.meta.get(SUM) and _only_holder(node):
+            node.target = aten.add_.Tensor
+
+
+def summed_in_place(node: fx.Node) -> bool:
+    """Is ``node`` a gradient sum this pass made in place?"""
+    return node.target is aten.add_.Tensor and bool(node.meta.get(SUM))
+
+
+def _only_holder(node: fx.Node) -> bool:
+    """May ``node``'s sum be made into its first operand?"""
+    old, new = node.args[0], node.args[1]
+    if not isinstance(old, fx.Node) or not isinstance(new, fx.Node) or node.kwargs or len(old.users) != 1:
+        return False
+    got, first, second = node.meta.get("val"), old.meta.get("val"), new.meta.get("val")
+    if not all(type(v) is torch._subclasses.FakeTensor for v in (got, first, second)):
+        return False
+    return (first.dtype == second.dtype == got.dtype and _same_sizes(first.shape, got.shape) and
+            plainly_contiguous(first) and _own_tensor(old))
+
+
+def _same_sizes(a, b) -> bool:
+    """Equal sizes as written (symbolic ones by their expressions): no guard is asked."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if type(x) is int and type(y) is int:
+            if x != y:
+                return False
+        elif not (isinstance(x, torch.SymInt) and isinstance(y, torch.SymInt) and x.node.expr == y.node.expr):
+            return False
+    return True
+
+
+def _own_tensor(node: fx.Node) -> bool:
+    """Is ``node`` a tensor its aten op allocated, sharing no storage with its inputs?"""
+    if node.op == "call_function" and node.target is operator.getitem:  # one of several outputs
+        node = node.args[0]
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    op = node.target
+    if op.namespace != "aten":  # (a functional collective's wait returns its input)
+        return False
+    if op is aten.add_.Tensor:  # an earlier sum made in place: into a tensor of its own?
+        return bool(node.meta.get(SUM)) and _own_tensor(node.args[0])
+    if op.is_view or op in _SHARES_STORAGE:  # a view of a tensor of its own that nothing else uses
+        base = node.args[0]
+        return isinstance(base, fx.Node) and len(base.users) == 1 and _own_tensor(base)
+    return all(r.alias_info is None for r in op._schema.returns)
