@@ -147,8 +147,8 @@ def main() -> None:
         import results_file
         entry = {"ranks": 2, "layers": args.layers, "steps": args.steps, "equal": equal, "stats": r0["stats"],
                  "opaque": r0["opaque"],
-                 "ratio_step": {m: round(r0["median"][m]["step"] / eager["step"], 2) for m in modes},
-                 "ratio_backward": {m: round(r0["median"][m]["backward"] / eager["backward"], 2) for m in modes},
+                 **{f"ratio_step_{m}": round(r0["median"][m]["step"] / eager["step"], 2) for m in modes},
+                 **{f"ratio_backward_{m}": round(r0["median"][m]["backward"] / eager["backward"], 2) for m in modes},
                  "step_ms": {m: round(v["step"] * 1e3, 2) for m, v in r0["median"].items()},
                  "backward_ms": {m: round(v["backward"] * 1e3, 2) for m, v in r0["median"].items()},
                  "first_backward_ms": {m: round(v * 1e3, 1) for m, v in r0["first"].items()}}
