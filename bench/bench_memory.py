@@ -11,10 +11,13 @@ they are kept only as a fallback where no compiler is found.
 
 ``--checkpoint half`` (or ``all``) runs every other block (or every block) under a
 non-reentrant ``torch.utils.checkpoint``: saved tensors under checkpoint's hooks beside
-plain ones (capture/graph/unpacked.py).
+plain ones (capture/graph/unpacked.py).  ``--residual`` adds each block's input to its
+output (``x + block(x)``), so that two gradients meet at every block's input: sums the
+engine makes in place (reorder/inplace_sums.py; a row without that pass shows what it
+saves).
 
 Usage: python bench/bench_memory.py [--batch 512] [--width 1024] [--layers 4] [--checkpoint none|half|all]
-       [--profiler] [--no-results]
+       [--residual] [--profiler] [--no-results]
 
 Each run merges its peaks and ratios to eager, with date, machine and torch release,
 into ``bench/results.json`` (``bench/results_file.py``) under ``bench_memory`` and its
@@ -148,6 +151,15 @@ def peak_bytes(run) -> int:
     return peak
 
 
+class _Residual(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return x + self.block(x)
+
+
 class _Checkpointed(nn.Module):
     def __init__(self, block):
         super().__init__()
@@ -165,6 +177,7 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--checkpoint", choices=["none", "half", "all"], default="none",
                    help="run every other block (half) or every block (all) under a non-reentrant checkpoint")
+    p.add_argument("--residual", action="store_true", help="each block as x + block(x)")
     p.add_argument("--profiler", action="store_true", help="measure with the profiler's memory events")
     p.add_argument("--no-results", action="store_true", help="do not write bench/results.json")
     args = p.parse_args()
@@ -175,6 +188,8 @@ def main():
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(args.width, args.width), nn.GELU(), nn.LayerNorm(args.width))
               for _ in range(args.layers)]
+    if args.residual:
+        blocks = [_Residual(b) for b in blocks]
     every = {"none": 0, "half": 2, "all": 1}[args.checkpoint]
     model = nn.Sequential(*[_Checkpointed(b) if every and k % every == 0 else b for k, b in enumerate(blocks)])
     x = torch.randn(args.batch, args.width)
@@ -194,20 +209,23 @@ def main():
         "gradfx passes=[]": lambda: gradfx.compiled_autograd(passes=[]),
         "gradfx without free_inputs_early": lambda: gradfx.compiled_autograd(
             passes=[p for p in gradfx.list_passes() if p != "free_inputs_early"]),
+        "gradfx without inplace_sums": lambda: gradfx.compiled_autograd(
+            passes=[p for p in gradfx.list_passes() if p != "inplace_sums"]),
     }
     for ctx in engines.values():  # capture and warm up
         step(ctx)
     peaks = {name: min(step(ctx) for _ in range(3)) for name, ctx in engines.items()}
     base = peaks["eager"]
     how = "counting allocator" if counter is not None else "profiler memory events"
-    print(f"model: {args.layers} x (Linear({args.width}) + GELU + LayerNorm), batch {args.batch}, "
-          f"checkpoint {args.checkpoint} ({how})")
+    print(f"model: {args.layers} x (Linear({args.width}) + GELU + LayerNorm){', residual' if args.residual else ''}, "
+          f"batch {args.batch}, checkpoint {args.checkpoint} ({how})")
     for name, value in peaks.items():
         print(f"  {name:34s} peak {value / 2**20:8.2f} MiB  ({value / base:.3f}x eager)")
     if not args.no_results:
         import results_file
         key = (f"bench_memory --batch {args.batch} --width {args.width} --layers {args.layers} "
-               f"--checkpoint {args.checkpoint}" + (" --profiler" if args.profiler else ""))
+               f"--checkpoint {args.checkpoint}" + (" --residual" if args.residual else "")
+               + (" --profiler" if args.profiler else ""))
         results_file.record(key, {name: {"peak_mib": round(value / 2**20, 3), "ratio": round(value / base, 3)}
                                   for name, value in peaks.items()}, measured_with=how)
 

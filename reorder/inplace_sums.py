@@ -4,7 +4,7 @@ When a second gradient reaches an input that already holds one, the engine adds 
 the first in place (``InputBuffer::accumulate``: ``old.add_(new)``) if the buffer holds
 the only reference to the first and it is a plain dense tensor.  The tracer records the
 sum as ``old + new``: the same values, in a fresh tensor per sum, which costs an
-allocation (on the CPU, fresh pages for a large one) and raises peak memory.  This pass
+allocation (on the CPU, fresh pages for a large one) and may raise peak memory.  This pass
 turns a recorded sum (``meta["gradfx_buffer_sum"]``) into ``aten.add_`` where the graph
 alone holds the first gradient: an aten op made it as a tensor of its own (not an alias
 of its inputs; a view of such a tensor that nothing else uses, and an earlier in-place
