@@ -39,7 +39,6 @@ from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
 from ..capture.runtime import counters
 from ..capture.trace.fx_kinds import has_side_effect, kind_of
-from ..reorder.inplace_sums import summed_in_place
 from ..reorder.memory import free_inputs_early
 from . import repeated_blocks
 
@@ -51,10 +50,7 @@ _SIZE_MATH = (operator.mul, operator.add, operator.sub, operator.floordiv, opera
 
 
 def _pure(node: fx.Node, pure: set) -> bool:
-    # has_side_effect: in-place ops too, but for a gradient sum made in place into a tensor
-    # nothing else holds (reorder.inplace_sums), which a compiler's functionalization sees
-    # as the sum it is
-    if node.op != "call_function" or (has_side_effect(node) and not summed_in_place(node)):
+    if node.op != "call_function" or has_side_effect(node):  # has_side_effect: in-place ops too
         return False
     if node.target is operator.getitem:
         return node.args[0] in pure  # a Python call's tuple is unpacked in Python

@@ -51,6 +51,7 @@ import torch.fx as fx
 
 from ..capture.runtime import hook_ops, runtime_ops
 from ..capture.trace.engine_loop import _GROUPED_OUTPUTS
+from ..capture.trace.fx_kinds import RUNTIME_SUBCLASS
 from ..reorder.bucket_allreduces import unbucket
 
 # Custom Functions whose backward dynamo cannot inline: they run as the custom op.
@@ -702,7 +703,7 @@ def _refuse_runtime_subclasses(graph) -> None:
     subclass whose context only the run knows (the capture marked it): a custom op can
     neither take nor return one."""
     for node in graph.nodes:
-        if node.meta.get("gradfx_subclass") and any(u.op == "call_function" for u in node.users):
+        if node.meta.get(RUNTIME_SUBCLASS) and any(u.op == "call_function" for u in node.users):
             raise NotImplementedError(f"{node.meta.get('gradfx_node', node.name)} hands on what may be a tensor "
                                       "subclass of a context known only at run time (a hook's result)")
 

@@ -5,11 +5,13 @@ the first in place (``InputBuffer::accumulate``: ``old.add_(new)``) if the buffe
 the only reference to the first and it is a plain dense tensor.  The tracer records the
 sum as ``old + new``: the same values, in a fresh tensor per sum, which costs an
 allocation (on the CPU, fresh pages for a large one) and may raise peak memory.  This pass
-turns a recorded sum (``meta["gradfx_buffer_sum"]``) into ``aten.add_`` where the graph
+turns a recorded sum (``meta[BUFFER_SUM]``) into ``aten.add_`` where the graph
 alone holds the first gradient: an aten op made it as a tensor of its own (not an alias
 of its inputs; a view of such a tensor that nothing else uses, and an earlier in-place
 sum into one, count), nothing but this sum uses it, and it is contiguous, of the sum's
-dtype and shape.
+dtype and shape.  Such a sum writes only to what only it reads: no side effect
+(``fx_kinds.has_side_effect``), so a compiler's region keeps it, and its
+functionalization sees the sum it is.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..capture.trace.fx_kinds import BUFFER_SUM
 from ..capture.trace.plain_layout import plainly_contiguous
 
 aten = torch.ops.aten
-SUM = "gradfx_buffer_sum"  # node.meta key the tracer sets on a recorded sum
 
 # Ops that return a tensor sharing its input's storage without saying so in their schema.
 _SHARES_STORAGE = frozenset({aten._unsafe_view.default, aten._reshape_alias.default, aten.lift_fresh.default})
@@ -30,13 +32,8 @@ _SHARES_STORAGE = frozenset({aten._unsafe_view.default, aten._reshape_alias.defa
 
 def inplace_sums(graph: fx.Graph) -> None:
     for node in graph.find_nodes(op="call_function", target=aten.add.Tensor):
-        if node.meta.get(SUM) and _only_holder(node):
+        if node.meta.get(BUFFER_SUM) and _only_holder(node):
             node.target = aten.add_.Tensor
-
-
-def summed_in_place(node: fx.Node) -> bool:
-    """Is ``node`` a gradient sum this pass made in place?"""
-    return node.target is aten.add_.Tensor and bool(node.meta.get(SUM))
 
 
 def _only_holder(node: fx.Node) -> bool:
@@ -74,7 +71,7 @@ def _own_tensor(node: fx.Node) -> bool:
     if op.namespace != "aten":  # (a functional collective's wait returns its input)
         return False
     if op is aten.add_.Tensor:  # an earlier sum made in place: into a tensor of its own?
-        return bool(node.meta.get(SUM)) and _own_tensor(node.args[0])
+        return bool(node.meta.get(BUFFER_SUM)) and _own_tensor(node.args[0])
     if op.is_view or op in _SHARES_STORAGE:  # a view of a tensor of its own that nothing else uses
         base = node.args[0]
         return isinstance(base, fx.Node) and len(base.users) == 1 and _own_tensor(base)

@@ -8,6 +8,7 @@ import torch.nn as nn
 import gradfx
 from gradfx.capture.runtime import runtime_ops
 from gradfx.capture.trace import fx_kinds as kinds
+from gradfx.capture.trace.fx_kinds import BUFFER_SUM
 from gradfx.capture.runtime.hook_ops import call_tensor_hook
 from gradfx.reorder import resolve, run_pipeline
 from gradfx.reorder.dce import eliminate_dead_code
@@ -183,7 +184,7 @@ class _TwoBranches(nn.Module):
 
 
 def _sums(graph):
-    nodes = [n for n in graph.nodes if n.meta.get("gradfx_buffer_sum")]
+    nodes = [n for n in graph.nodes if n.meta.get(BUFFER_SUM)]
     return [n.target for n in nodes]
 
 
@@ -218,7 +219,7 @@ def test_inplace_sums_leaves_a_shared_or_viewed_first_operand_alone():
             with fake:
                 n.meta["val"] = n.target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args])
     for s in sums:
-        s.meta["gradfx_buffer_sum"] = True
+        s.meta[BUFFER_SUM] = True
     before = _copy(g)
     run_pipeline(g, resolve(["inplace_sums"]))
     # the fresh product's sum in place; a shared one, an input, a transposed view: not

@@ -20,6 +20,12 @@ from ..runtime import ddp_buckets, hook_ops, runtime_ops
 
 SIDE_EFFECTS = frozenset({"accumulate", "hook", "opaque", "check"})
 
+# node.meta keys the tracer sets: a recorded sum of two gradients for one input (which
+# reorder.inplace_sums may make in place), and a value that may be a tensor subclass of
+# a context only the run knows (backends.traceable refuses it)
+BUFFER_SUM = "gradfx_buffer_sum"
+RUNTIME_SUBCLASS = "gradfx_subclass"
+
 # For nodes without a stamp: gradfx's runtime functions by what they do.
 _BY_TARGET = {
     runtime_ops.accumulate_grad: "accumulate", runtime_ops.accumulate_grad_unchecked: "accumulate",
@@ -62,6 +68,8 @@ def has_side_effect(node: fx.Node) -> bool:
         return False
     if kind_of(node) in SIDE_EFFECTS:
         return True
+    if node.target is torch.ops.aten.add_.Tensor and node.meta.get(BUFFER_SUM):
+        return False  # a sum made in place into a tensor only it reads (reorder.inplace_sums)
     return op_has_side_effect(node.target)
 
 

@@ -36,6 +36,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from ..runtime import ddp_buckets, hook_ops, runtime_ops
 from . import aot_regions, engine_loop, fast_ops, plain_layout, sym_memo
+from .fx_kinds import BUFFER_SUM, RUNTIME_SUBCLASS
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
 from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, TAKES_NONE, apply_rule
@@ -417,7 +418,7 @@ class _Tracer:
         backends.traceable)."""
         self.unknown.add(id(fake))
         self.keep.append(fake)
-        self.proxy(fake).node.meta["gradfx_subclass"] = True
+        self.proxy(fake).node.meta[RUNTIME_SUBCLASS] = True
 
     def rebuilt_proxy(self, x):
         """The graph value of fake subclass ``x`` (traced through) as a runtime call takes it:
@@ -906,7 +907,7 @@ class _Tracer:
             return out
         out = old + new
         if type(out) is FakeTensor:  # (reorder.inplace_sums makes it in place where eager does)
-            self.proxy(out).node.meta["gradfx_buffer_sum"] = True
+            self.proxy(out).node.meta[BUFFER_SUM] = True
         return out
 
     def accumulate(self, i, grad, var_input):
