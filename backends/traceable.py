@@ -467,8 +467,8 @@ def prepare(gm: fx.GraphModule, example_inputs: list):
         elif isinstance(node.target, runtime_ops.SavedUnpack):
             python_reads = True
             _as_unpack_op(graph, node, adapter, position)
-        elif isinstance(node.target, runtime_ops.ReadSaved):
-            _as_read_op(graph, node, adapter, position)
+        elif isinstance(node.target, runtime_ops.ReadSaved):  # saved values a subclass node reads
+            _as_unpack_op(graph, node, adapter, position)
         elif node.target is runtime_ops.release_saved or node.target is runtime_ops.release_hooked:
             graph.erase_node(node)  # compiled code takes no live nodes: released after the run
         elif node.target is runtime_ops.require_gradients:
@@ -590,7 +590,8 @@ def _leaves_unneeded_none(autograd_node) -> bool:
 
 def _as_unpack_op(graph, node, adapter, position) -> None:
     """SavedUnpack(node, grads, carry) -> unpack_saved(slot): the tensors the hooks unpacked,
-    without the graph's stop (compiled code runs whole), copied into the traced layouts."""
+    without the graph's stop (compiled code runs whole), copied into the traced layouts;
+    ReadSaved(node) likewise (every value defined)."""
     op = _ops().unpack_saved.default
     slot = next(_slots)
     _slot_unpacks[slot] = node.target
@@ -672,30 +673,6 @@ def _as_custom_op(graph, node, adapter, position, autograd_node, call=None):
 
 def _is_rebuild(value) -> bool:
     return isinstance(value, fx.Node) and value.op == "call_function" and isinstance(value.target, runtime_ops.Rebuild)
-
-
-class _SavedReader:
-    """ReadSaved as unpack_saved's slot entry: the node's saved values as the plain tensors
-    the graph computes with, in the layouts traced (``expected``)."""
-
-    def __init__(self, read, expected: tuple):
-        self.read, self.expected = read, expected
-
-    def unpack(self, node) -> tuple:
-        return self.read(node)
-
-
-def _as_read_op(graph, node, adapter, position) -> None:
-    """ReadSaved(node) -> unpack_saved(slot), its getitems as they are (every value defined)."""
-    op = _ops().unpack_saved.default
-    slot = next(_slots)
-    _slot_unpacks[slot] = _SavedReader(node.target, node.target.layouts)
-    adapter.slots.append((position[node.args[0]], slot))
-    with graph.inserting_before(node):
-        call = graph.call_function(op, (slot,))
-    call.meta.update(node.meta)
-    node.replace_all_uses_with(call)
-    graph.erase_node(node)
 
 
 def _refuse_runtime_subclasses(graph) -> None:

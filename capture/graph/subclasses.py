@@ -71,7 +71,8 @@ def dispatch_state():
     if module is None:
         return None
     dispatcher = module.DTensor._op_dispatcher
-    return frozenset(dispatcher._custom_op_handlers), dispatcher._allow_implicit_replication
+    # the handlers themselves, not only their ops: a context may swap one op's handler
+    return frozenset(dispatcher._custom_op_handlers.items()), dispatcher._allow_implicit_replication
 
 
 def _inner_layout(value):

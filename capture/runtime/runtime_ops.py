@@ -278,18 +278,19 @@ class ReadSaved:
     """The saved values of a node traced through a tensor subclass, read from the node as it
     would unpack them (eager's checks: freed, modified in place), as the plain tensors the
     graph computes with: a subclass value as its inner tensors (subclasses.flat_inner).
-    The walk checked their layouts and contexts (saved.saved_layouts)."""
+    The walk's sizes hold the id of their layouts and contexts (kinds.walk_subclass_values)."""
 
     __name__ = "read_saved"
 
-    def __init__(self, attrs: tuple, layouts: tuple):
-        """``layouts``: per inner tensor, (shape, strides, dtype, device) as traced."""
-        self.attrs, self.layouts = attrs, layouts
+    def __init__(self, attrs: tuple, expected: tuple):
+        """``expected``: per inner tensor, (shape, strides, dtype, device) as traced (the
+        form SavedUnpack's takes: a compiler's graph reads both through unpack_saved)."""
+        self.attrs, self.expected = attrs, expected
 
     def __repr__(self):
         return f"read_saved{list(self.attrs)}"
 
-    def __call__(self, node) -> tuple:
+    def unpack(self, node) -> tuple:
         out: list = []
         for attr in self.attrs:
             values = getattr(node, attr)
@@ -297,6 +298,8 @@ class ReadSaved:
                 if value is not None:
                     subclasses.flat_inner(value, out)
         return tuple(out)
+
+    __call__ = unpack
 
 
 def flatten(t) -> tuple:
