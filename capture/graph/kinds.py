@@ -456,8 +456,8 @@ SUBCLASS_LAYOUTS = "_saved_subclass_layouts"  # the NodeRecord.values slot of a 
 
 
 def saved_layout_id(node, raw_attrs: tuple, tensor_attrs: tuple, a_subclass: bool = False) -> int | None:
-    """The id (subclasses.layout_id) of the layouts of the node's saved values, with
-    DTensor's dispatch state; the id of None where the user's saved-tensor hooks hold them
+    """The id (subclasses.layout_id) of the layouts of the node's saved values; the id of
+    None where the user's saved-tensor hooks hold them
     (unpacking here would run them: the node runs as itself).  With ``a_subclass``: None
     unless one of them is a subclass (a cache-hit walker's check, for a node the capture
     found had one saved)."""
@@ -466,13 +466,13 @@ def saved_layout_id(node, raw_attrs: tuple, tensor_attrs: tuple, a_subclass: boo
     layouts = saved_layouts(node, tensor_attrs)
     if a_subclass and all(layout is None or plain_type(layout[0]) for layout in layouts):
         return None
-    return subclasses.layout_id((layouts, subclasses.dispatch_state()))
+    return subclasses.layout_id(layouts)
 
 
 def ctx_layout_id(node) -> int:
-    """The id of what a traced backward of one of DTensor's Functions bakes in: its ctx (its
-    global sizes among it) and DTensor's dispatch state."""
-    return subclasses.layout_id((traced_ctx_key(node), subclasses.dispatch_state()))
+    """The id of what a traced backward of one of DTensor's Functions bakes in of its ctx
+    (its global sizes among it)."""
+    return subclasses.layout_id(traced_ctx_key(node))
 
 
 def leave_saved(w: Walk, i: int, node) -> bool:

@@ -98,9 +98,11 @@ _next_id = itertools.count(_FIRST_ID)
 
 
 def layout_id(layouts) -> int:
-    """A number standing for ``layouts`` (equal layouts, equal numbers while remembered; a
-    number is never given to other layouts) among a backward's sizes: a static graph is
-    found by its exact sizes."""
+    """A number standing for what a graph traced through subclasses bakes in: ``layouts``
+    and DTensor's :func:`dispatch_state` (equal ones, equal numbers while remembered; a
+    number is never given to others), among a backward's sizes: a static graph is found
+    by its exact sizes."""
+    layouts = (layouts, dispatch_state())
     found = _layout_ids.get(layouts)
     if found is None:
         found = _layout_ids[layouts] = next(_next_id)

@@ -186,10 +186,9 @@ def find_outputs(inputs, index, accumulate: bool):
 
 
 def root_layout_id(g) -> int:
-    """The id of what a graph traced through a subclass root gradient bakes in of it (its
-    layout, DTensor's dispatch state): one more size, as for a node a subclass reaches
-    (kinds.walk_subclass_values)."""
-    return subclasses.layout_id((subclasses.layout(g), subclasses.dispatch_state()))
+    """The id of what a graph traced through a subclass root gradient bakes in of it: one
+    more size, as for a node a subclass reaches (kinds.walk_subclass_values)."""
+    return subclasses.layout_id(subclasses.layout(g))
 
 
 def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool = False,
@@ -223,11 +222,12 @@ def walk_backward(tensors, grads, inputs, accumulate: bool, create_graph: bool =
     w.take_functions = take_functions
     w.key += [tuple(roots), tuple(outputs) if outputs is not None else None, accumulate, create_graph]
     for k, g in enumerate(grads):
-        if type(g) in (torch.Tensor, torch.nn.Parameter) or len(subclasses.layout(g)) == 1:
+        layout = None if type(g) in (torch.Tensor, torch.nn.Parameter) else subclasses.layout(g)
+        if layout is None or len(layout) == 1:
             w.key.append(w.tensor(g, k, "as a root's gradient"))  # (another subclass falls back)
         else:  # traced through where a static trace can (a DTensor loss's, under loss_parallel)
             w.key.append(("subclass", type(g)))
-            w.sizes.append(root_layout_id(g))
+            w.sizes.append(subclasses.layout_id(layout))
     records = []
     for i, node in enumerate(nodes):
         runs = needed is None or needed[i]
