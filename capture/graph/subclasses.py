@@ -79,6 +79,20 @@ def _inner_layout(value):
     return layout(value) if isinstance(value, torch.Tensor) else ("object", value)
 
 
+def map_inner(t: torch.Tensor, fn):
+    """``fn(t)`` for a plain tensor; for a traceable subclass, the subclass rebuilt (its
+    ``__tensor_unflatten__``) around ``map_inner`` of each inner tensor, in order (its
+    other inner values as they are)."""
+    if not traceable(type(t)):
+        return fn(t)
+    names, ctx = flatten(t)
+    parts = {}
+    for n in names:
+        part = getattr(t, n)
+        parts[n] = map_inner(part, fn) if isinstance(part, torch.Tensor) else part
+    return type(t).__tensor_unflatten__(parts, ctx, tuple(t.shape), tuple(t.stride()))
+
+
 def flat_inner(t: torch.Tensor, out: list) -> None:
     """Append the plain tensors ``t`` consists of (``t`` itself if plain), depth first."""
     if not traceable(type(t)):

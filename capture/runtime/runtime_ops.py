@@ -383,14 +383,7 @@ def _fresh_copy(grad: torch.Tensor) -> torch.Tensor:
     """``grad`` in memory of its own: for a subclass with the flatten protocol, rebuilt
     around copies of its inner tensors (a DTensor's ``clone`` would reduce a Partial one:
     another placement, other values)."""
-    if not subclasses.traceable(type(grad)):
-        return grad.clone()
-    names, ctx = subclasses.flatten(grad)
-    parts = {}
-    for name in names:
-        part = getattr(grad, name)
-        parts[name] = _fresh_copy(part) if isinstance(part, torch.Tensor) else part
-    return type(grad).__tensor_unflatten__(parts, ctx, grad.shape, grad.stride())
+    return subclasses.map_inner(grad, torch.Tensor.clone)
 
 
 class NodeUnpacking:

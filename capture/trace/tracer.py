@@ -925,14 +925,7 @@ class _Tracer:
 def _fake_like(value, inner):
     """A fake standing for saved ``value``: the next of the ``inner`` fakes for a plain
     tensor, a traceable subclass's own ``__tensor_unflatten__`` around its inner ones."""
-    if not subclasses.traceable(type(value)):
-        return next(inner)
-    names, ctx = subclasses.flatten(value)
-    parts = {}
-    for n in names:
-        part = getattr(value, n)
-        parts[n] = _fake_like(part, inner) if isinstance(part, torch.Tensor) else part
-    return type(value).__tensor_unflatten__(parts, ctx, tuple(value.shape), tuple(value.stride()))
+    return subclasses.map_inner(value, lambda plain: next(inner))
 
 
 def _fx_args(x):
