@@ -272,7 +272,7 @@ def _twice(mesh):
     return {"equal": all(torch.equal(a, b) for a, b in zip(*grads))}
 
 
-def _loss_parallel(mesh):
+def _loss_parallel(mesh, backend="eager"):
     """Vocabulary-parallel cross-entropy (``loss_parallel()``, as torchtitan trains): the
     logits stay sharded on the vocabulary, the loss is a DTensor, so is the root gradient;
     the backward is traced through it (the context's own DTensor handlers), each step
@@ -294,7 +294,7 @@ def _loss_parallel(mesh):
             with loss_parallel():
                 loss = F.cross_entropy(model(x), labels)
                 if under_gradfx:
-                    with gradfx.compiled_autograd() as session:
+                    with gradfx.compiled_autograd(BACKENDS[backend]) as session:
                         loss.backward()
                     graphs += session.graphs
                 else:
@@ -378,6 +378,7 @@ def _worker(rank, world, port, results):
                 record_case(results, (name, backend, rank), lambda: _compare(build, mesh, rank, backend))
         record_case(results, ("twice", rank), lambda: _twice(mesh))
         record_case(results, ("loss_parallel", rank), lambda: _loss_parallel(mesh))
+        record_case(results, ("loss_parallel_user", rank), lambda: _loss_parallel(mesh, "user"))
         record_case(results, ("grad", rank), lambda: _grad_of_parameters(mesh))
         record_case(results, ("retained", rank), lambda: _retained(mesh))
 
@@ -446,8 +447,9 @@ def _each_rank(results, case):
         yield got
 
 
-def test_loss_parallel_root_gradient_is_traced_through(results):
-    for got in _each_rank(results, "loss_parallel"):
+@pytest.mark.parametrize("case", ["loss_parallel", "loss_parallel_user"])  # a user's backend: the root flattened
+def test_loss_parallel_root_gradient_is_traced_through(results, case):
+    for got in _each_rank(results, case):
         assert got["opaque"] == ["torch::autograd::AccumulateGrad"], got["opaque"]
         assert got["views"]
 
