@@ -14,7 +14,13 @@ their order (eager's), into
 
 Only accumulations move: each runs right after the region it falls in, in its order,
 before the next Python call.  Pure ops read no ``.grad``, so only Python could tell
-(a post-accumulate-grad hook reads other leaves' ``.grad``).  Pure ops never move
+(a post-accumulate-grad hook reads other leaves' ``.grad``).  So do the calls of
+DistributedDataParallel's reducer (an accumulator's post-hooks, all C++: the tracer
+marks them) that do not complete one of its buckets: the reducer copies the
+parameter's ``.grad`` into its bucket and touches no value of the graph; the call
+that completes a bucket starts its all-reduce and stays a cut, where eager starts it
+(:func:`_reducer_calls_moved`).  Without this, DDP's hooks cut a backward into a region
+per parameter.  Pure ops never move
 across a Python call: a hook or a custom backward may change a tensor in place, and
 what else reads it (through a view too) is not in the graph's edges.  Where the graph
 has Python calls, runs of fewer than ``MIN_OPS`` aten ops (views not counted) stay in
@@ -38,7 +44,7 @@ from torch.utils import _pytree as pytree
 from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
 from ..capture.runtime import counters
-from ..capture.trace.fx_kinds import has_side_effect, kind_of
+from ..capture.trace.fx_kinds import CPP_POST_HOOKS, has_side_effect, kind_of
 from ..reorder.memory import free_inputs_early
 from . import repeated_blocks
 
@@ -69,6 +75,7 @@ def partition(graph: fx.Graph) -> list[tuple[bool, list[fx.Node]]]:
     for node in calls:
         if _pure(node, pure):
             pure.add(node)
+    moved = _reducer_calls_moved(calls, pure)
     only_accumulations = all(n in pure or kind_of(n) == "accumulate" for n in calls)
     pieces: list = []
     run: list = []  # pure nodes and accumulations since the last other Python call
@@ -96,13 +103,98 @@ def partition(graph: fx.Graph) -> list[tuple[bool, list[fx.Node]]]:
         run.clear()
 
     for node in calls:
-        if node in pure or kind_of(node) == "accumulate":
+        if node in pure or kind_of(node) == "accumulate" or node in moved:
             run.append(node)
         else:
             end_run()
             python([node])
     end_run()
     return pieces
+
+
+def _reducer_calls_moved(calls: list, pure: set) -> set:
+    """The reducer calls (``CPP_POST_HOOKS``) that may run after their region, with its
+    accumulations, in their order: those that do not complete a bucket, where nothing up to
+    the next cut reads their gradient or a view of it (a C++ hook is passed its gradient)."""
+    marked = [n for n in calls if n.meta.get(CPP_POST_HOOKS)]
+    if not marked:
+        return set()
+    ends = _bucket_ends(marked)
+    at = {n: k for k, n in enumerate(calls)}
+    moved = set()
+    for hook in marked:
+        if hook in ends:
+            continue
+        seen = _views_of([a for a in hook.args[1] if isinstance(a, fx.Node)])
+        for node in calls[at[hook] + 1:]:
+            if node in ends or not (node in pure or kind_of(node) == "accumulate" or node.meta.get(CPP_POST_HOOKS)):
+                moved.add(hook)
+                break
+            if not node.meta.get(CPP_POST_HOOKS) and any(a in seen for a in node.all_input_nodes):
+                break
+        else:
+            moved.add(hook)
+    return moved
+
+
+def _bucket_ends(marked: list) -> set:
+    """The reducer calls that complete a bucket, as DDP rebuilds its buckets after the first
+    step: parameters in the order their gradients became ready (the graph's), a bucket per
+    dtype closed once it holds DDP's default bytes (1 MiB for the first, 25 MiB after).
+    Where a DDP was given other sizes, only where the all-reduces start differs."""
+    caps = (_FIRST_BUCKET_BYTES, _BUCKET_BYTES)
+    filled: dict = {}  # dtype -> (bytes so far, buckets closed)
+    last: dict = {}  # dtype -> its last call, which completes its last bucket
+    ends = set()
+    for hook in marked:
+        grads = [a.meta.get("val") for a in hook.args[1] if isinstance(a, fx.Node)]
+        grad = grads[0] if len(grads) == 1 else None
+        if not isinstance(grad, torch.Tensor) or not isinstance(grad.numel(), int):
+            ends.add(hook)  # not one gradient of a known size: a cut
+            continue
+        so_far, closed = filled.get(grad.dtype, (0, 0))
+        so_far += grad.numel() * grad.element_size()
+        if so_far >= caps[min(closed, 1)]:
+            ends.add(hook)
+            so_far, closed = 0, closed + 1
+        filled[grad.dtype] = (so_far, closed)
+        last[grad.dtype] = hook
+    ends.update(last.values())
+    return ends
+
+
+_FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's bucket_cap_mb default
+
+
+def _views_of(nodes: list) -> set:
+    """Every value of the graph sharing memory with one of ``nodes`` through views."""
+    roots = []
+    for n in nodes:
+        while _view_of(n) is not None:
+            n = _view_of(n)
+        roots.append(n)
+    seen, stack = set(), roots
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(u for u in n.users if _view_of(u) is n)
+    return seen
+
+
+def _view_of(node: fx.Node):
+    """The value ``node`` is a view of (a view op's input; for an output of an op returning
+    views, such as split, that op's input), or None."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.target is operator.getitem:
+        return node.args[0] if _is_view(node.args[0]) else None
+    return node.args[0] if _is_view(node) else None
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
 def _subgraph(gm: fx.GraphModule, nodes: list, inputs: list, outputs: list) -> fx.GraphModule:

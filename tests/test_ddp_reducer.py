@@ -40,6 +40,36 @@ class Net(nn.Module):
         return out + self.spare(h) if use_spare else out
 
 
+class Wide(nn.Module):
+    """Two 1 MiB layers: DDP's default buckets (1 MiB first, 25 MiB after) make two of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 512)
+        self.b = nn.Linear(512, 512)
+        self.c = nn.Linear(512, 4)
+
+    def forward(self, x, use_spare=True):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+class Shared(nn.Module):
+    """Two parameters handed one gradient (an add's): the second's accumulation reads the
+    tensor the first's reducer call is passed, so that call may not move past it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.w1 = nn.Parameter(torch.randn(32, 4) / 8)
+        self.w2 = nn.Parameter(torch.randn(32, 4) / 8)
+
+    def forward(self, x, use_spare=True):
+        return torch.relu(self.a(x)) @ (self.w1 + self.w2)
+
+
+MODELS = {"net": Net, "wide": Wide, "shared": Shared}
+
+
 def _comm_hook(kind, events):
     """A comm hook that notes each bucket it is handed, then reduces it as ``kind`` says."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -62,9 +92,10 @@ def _build(case, events):
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     options = {"bucket_cap_mb": 0.004, **case.get("ddp", {})}  # 4 KB: several buckets
-    model = DDP(Net(), **options)
+    model = DDP(MODELS[case.get("model", "net")](), **options)
     for name, p in model.module.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: events.append(("accumulated", name)))
+        if not case.get("quiet"):  # else nothing of Python runs between the reducer's calls
+            p.register_post_accumulate_grad_hook(lambda p, name=name: events.append(("accumulated", name)))
     if "comm_hook" in case:
         model.register_comm_hook(*_comm_hook(case["comm_hook"], events))
     return model
@@ -86,8 +117,17 @@ def _step(model, events, x, use_spare, racy):
 
 def _run_case(rank, case):
     import gradfx
+    from gradfx.backends import builtin
     backend = case_backend(case)
     runs = {}
+    pieces = []  # per graph a split backend compiled: its pieces, compiled or Python
+    partition = builtin.partition
+
+    def recorded(graph):
+        found = partition(graph)
+        pieces.append([("region" if compiled else "python", _reducer_calls(nodes)) for compiled, nodes in found])
+        return found
+    builtin.partition = recorded
     for under_gradfx in (False, True):
         events = []
         model = _build(case, events)
@@ -110,7 +150,13 @@ def _run_case(rank, case):
                     backward(loss, under_gradfx and rank in case.get("gradfx_ranks", (0, 1)), backend)
             events.append(("grads", [None if p.grad is None else p.grad.tolist() for p in model.module.parameters()]))
         runs[under_gradfx] = events
-    return {"eager": runs[False], "gradfx": runs[True], "stats": gradfx.stats()}
+    builtin.partition = partition
+    return {"eager": runs[False], "gradfx": runs[True], "stats": gradfx.stats(), "pieces": pieces}
+
+
+def _reducer_calls(nodes) -> int:
+    from gradfx.capture.runtime import hook_ops
+    return sum(n.target is hook_ops.call_node_post_hooks for n in nodes)
 
 
 CASES = {
@@ -126,6 +172,14 @@ CASES = {
     "powersgd_hook": {"comm_hook": "powersgd", "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 25}},
     "users_backend": {"backend": "gm"},
     "aot_eager": {"backend": "aot_eager"},
+    # a compiling backend, nothing of Python between the reducer's calls: they run with the
+    # accumulations after the region, the call completing a bucket cuts it
+    "aot_eager_buckets": {"backend": "aot_eager", "model": "wide", "quiet": True, "comm_hook": "allreduce",
+                          "ddp": {"bucket_cap_mb": 25}},
+    # the same, buckets of other sizes than DDP's defaults: the calls still in eager's order
+    "aot_eager_small_buckets": {"backend": "aot_eager", "model": "wide", "quiet": True, "comm_hook": "allreduce",
+                                "ddp": {"bucket_cap_mb": 0.5}},
+    "aot_eager_shared_gradient": {"backend": "aot_eager", "model": "shared", "quiet": True},
     # rank 0 under gradfx, rank 1 on the eager engine: the collectives still pair up
     "one_rank_under_gradfx": {"gradfx_ranks": (0,)},
     "one_rank_falls_back": {"fallback_ranks": (1,)},
@@ -152,7 +206,8 @@ def test_ddp_reducer_runs_as_in_eager(results, name):
         assert "error" not in got, got.get("error")
         eager, captured = got["eager"], got["gradfx"]
         kinds = {e[0] for e in eager}
-        assert {"accumulated", "final", "grads"} | ({"bucket"} if "comm_hook" in CASES[name] else set()) <= kinds
+        assert ({"final", "grads"} | ({"bucket"} if "comm_hook" in CASES[name] else set())
+                | (set() if CASES[name].get("quiet") else {"accumulated"})) <= kinds
         assert captured == eager, f"rank {rank}: events or gradients differ from eager DDP's"
         falls_back = rank in CASES[name].get("fallback_ranks", ())
         under = rank in CASES[name].get("gradfx_ranks", (0, 1)) and not falls_back
@@ -164,3 +219,24 @@ def test_ddp_reducer_runs_as_in_eager(results, name):
     # the reduced gradients are the same on both ranks (the reducer did reduce them)
     last = [results[(name, r)]["gradfx"][-1] for r in (0, 1)]
     assert last[0] == last[1]
+
+
+# The pieces the split backend cut each case's first graph into: (kind, reducer calls in
+# it).  Every graph starts with a region and the Python of the output's hook (_step).
+# Wide's parameters in the order their gradients are ready: c.bias, c.weight, b.bias,
+# b.weight (the first bucket, 1 MiB, is full), a.bias, a.weight.
+PIECES = {
+    "aot_eager_buckets": [("region", 0), ("python", 0), ("region", 0), ("python", 4), ("region", 0), ("python", 2)],
+    # where DDP's buckets are not its defaults, gradfx's cuts are where the defaults would be
+    "aot_eager_small_buckets": [("region", 0), ("python", 0), ("region", 0), ("python", 4), ("region", 0),
+                                ("python", 2)],
+    # the first of w1 and w2 whose gradient is ready: its call cuts there (the second's
+    # accumulation reads the gradient it was passed); the other three go to the end
+    "aot_eager_shared_gradient": [("region", 0), ("python", 1), ("region", 0), ("python", 3)],
+}
+
+
+@pytest.mark.parametrize("name", list(PIECES))
+def test_ddp_reducer_calls_cut_a_compiled_backward_once_per_bucket(results, name):
+    for rank in (0, 1):
+        assert results[(name, rank)]["pieces"][0] == PIECES[name], results[(name, rank)]["pieces"]

@@ -59,6 +59,15 @@ PyObject* cpp_post_hooks(PyObject* /*self*/, PyObject* obj) {
   return PyLong_FromLong(gradfx_native::cpp_post_hook_count(node));
 }
 
+PyObject* post_hooks_all_cpp(PyObject* /*self*/, PyObject* obj) {
+  Node* node = builtin_node(obj);
+  if (node == nullptr) {
+    return nullptr;
+  }
+  const auto& hooks = node->post_hooks();
+  return PyBool_FromLong(!hooks.empty() && gradfx_native::cpp_post_hook_count(node) == static_cast<long>(hooks.size()));
+}
+
 // run_post_hooks(node, inputs: tuple of Tensor or None)
 PyObject* run_post_hooks(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -98,6 +107,8 @@ PyObject* run_post_hooks(PyObject* /*self*/, PyObject* const* args, Py_ssize_t n
 #define GRADFX_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&f))
 PyMethodDef count_def = {"cpp_post_hooks", cpp_post_hooks, METH_O,
                          "how many of a builtin node's post-hooks are C++ hooks"};
+PyMethodDef all_cpp_def = {"post_hooks_all_cpp", post_hooks_all_cpp, METH_O,
+                            "whether a builtin node has post-hooks and all of them are C++ hooks"};
 PyMethodDef run_def = {"run_post_hooks", GRADFX_FASTCALL(run_post_hooks), METH_FASTCALL,
                        "run a node's post-hooks, C++ and Python, as the engine does"};
 #undef GRADFX_FASTCALL
@@ -105,7 +116,7 @@ PyMethodDef run_def = {"run_post_hooks", GRADFX_FASTCALL(run_post_hooks), METH_F
 }  // namespace
 
 void add_post_hooks(py::module_& m) {
-  for (PyMethodDef* def : {&count_def, &run_def}) {
+  for (PyMethodDef* def : {&count_def, &all_cpp_def, &run_def}) {
     m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_New(def, nullptr));
   }
 }

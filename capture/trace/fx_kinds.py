@@ -25,6 +25,10 @@ SIDE_EFFECTS = frozenset({"accumulate", "hook", "opaque", "check"})
 # a context only the run knows (backends.traceable refuses it)
 BUFFER_SUM = "gradfx_buffer_sum"
 RUNTIME_SUBCLASS = "gradfx_subclass"
+# a call of an accumulator's post-hooks that are all C++ hooks (DistributedDataParallel's
+# reducer, the one torch registers): it reads the parameter's .grad and no other graph
+# value, and changes none (backends.split may run it later, with the accumulations)
+CPP_POST_HOOKS = "gradfx_cpp_post_hooks"
 
 # For nodes without a stamp: gradfx's runtime functions by what they do.
 _BY_TARGET = {

@@ -34,9 +34,10 @@ from torch._prims_common import is_contiguous_or_false, make_contiguous_strides_
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
+from .. import native
 from ..runtime import ddp_buckets, hook_ops, runtime_ops
 from . import aot_regions, engine_loop, fast_ops, plain_layout, sym_memo
-from .fx_kinds import BUFFER_SUM, RUNTIME_SUBCLASS
+from .fx_kinds import BUFFER_SUM, CPP_POST_HOOKS, RUNTIME_SUBCLASS
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
 from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, TAKES_NONE, apply_rule
@@ -483,6 +484,8 @@ class _Tracer:
         self.python_call(hook_ops.call_node_post_hooks, (self.running(i), tuple(inputs)), None, self.call_label(i),
                          "hook")
         spec = self.call.records[i].hooks
+        if not spec.post and native.module().post_hooks_all_cpp(self.call.nodes[i]):
+            self.last_call.meta[CPP_POST_HOOKS] = True
         if not spec.post and any(ddp_buckets.reducer_of(self.call.inputs[pos]) is not None
                                  for pos in spec.post_accumulate):
             # C++ hooks alone, on a parameter of a DDP in Python-reducer mode: its C++ reducer
