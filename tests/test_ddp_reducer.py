@@ -6,7 +6,7 @@ under gradfx, and on every step and rank:
 * gradients are bitwise equal (the eager backend and a user's own backend);
 * the events are the same, in the same order: each parameter's post-accumulate-grad
   hook (eager runs the reducer's C++ hook right after it), each bucket's comm hook
-  call (when the reducer launches the bucket) and a final callback queued from Python
+  call (when the reducer launches the bucket, and the node running then) and a final callback queued from Python
   in an output hook, with the gradients it sees (before the reducer's own final
   callback, queued later, copies the reduced buckets back: a callback order that
   differed would show);
@@ -83,7 +83,10 @@ def _comm_hook(kind, events):
         inner = default_hooks.fp16_compress_hook if kind == "fp16" else default_hooks.allreduce_hook
 
     def hook(state, bucket):
-        events.append(("bucket", bucket.index(), [tuple(p.shape) for p in bucket.parameters()]))
+        # the node running, as eager answers it: the accumulator whose hook launched the bucket
+        running = torch._C._current_autograd_node()
+        events.append(("bucket", bucket.index(), [tuple(p.shape) for p in bucket.parameters()],
+                       type(running).__name__, tuple(running.variable.shape)))
         return inner(state, bucket)
     return state, hook
 
