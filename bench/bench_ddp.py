@@ -28,7 +28,7 @@ feed-forward 1024, dropout 0) with a linear head, MSE loss on random (8, 64, 256
 inputs; ``gpt2_tiny``, bench_compile.py's tiny GPT-2 (2 layers, d64, 8x32 token ids, loss
 from ``labels=input_ids``).  Each rank is a process of its own (torch.multiprocessing,
 one thread each); all modes of a rank count run in one process group, their timed steps
-interleaved in rounds (one step of each mode per round, the order rotating), with a
+interleaved in rounds (one step of each mode per round, in an order drawn anew each round), with a
 barrier before each step so the ranks start it together.  4 ranks on a 2-core machine
 are oversubscribed: the table says so, and measures anyway.  The figures go to
 ``bench/results.json`` (``bench_ddp``; ``--no-results`` leaves it alone).
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 import statistics
 import sys
@@ -318,8 +319,11 @@ def run_model(name: str, rank: int, world: int, steps: int, warmup: int, mesh, a
             checks = _check_first_grads(runners)
     order = list(runners.values())
     for round_ in range(steps):
-        shift = round_ % len(order)  # the order rotates: no mode always runs after the same one
-        for runner in order[shift:] + order[:shift]:
+        # A new order each round, the same on every rank (their collectives pair up): a step
+        # runs after each other mode in turn.  (A rotation kept each mode after the same one,
+        # whose leftovers, a heavy mode's threads and memory, then weighed on it alone.)
+        random.Random(round_).shuffle(order)
+        for runner in order:
             if not runner.error:
                 _guarded_step(runner, batch, record=True)
     summaries = {m: r.summary() for m, r in runners.items()}
