@@ -120,20 +120,16 @@ def _reducer_calls_moved(calls: list, pure: set) -> set:
     if not marked:
         return set()
     ends = _bucket_ends(marked)
-    at = {n: k for k, n in enumerate(calls)}
     moved = set()
-    for hook in marked:
-        if hook in ends:
-            continue
-        seen = _views_of([a for a in hook.args[1] if isinstance(a, fx.Node)])
-        for node in calls[at[hook] + 1:]:
-            if node in ends or not (node in pure or kind_of(node) == "accumulate" or node.meta.get(CPP_POST_HOOKS)):
-                moved.add(hook)
-                break
-            if not node.meta.get(CPP_POST_HOOKS) and any(a in seen for a in node.all_input_nodes):
-                break
+    read: set = set()  # what the nodes after this one read, up to the next cut
+    for node in reversed(calls):  # one pass from the end: each call sees what follows it
+        if node in ends or not (node in pure or kind_of(node) == "accumulate" or node.meta.get(CPP_POST_HOOKS)):
+            read = set()
+        elif node.meta.get(CPP_POST_HOOKS):
+            if read.isdisjoint(_views_of([a for a in node.args[1] if isinstance(a, fx.Node)])):
+                moved.add(node)
         else:
-            moved.add(hook)
+            read.update(node.all_input_nodes)
     return moved
 
 
