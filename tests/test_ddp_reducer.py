@@ -189,17 +189,17 @@ CASES = {
 }
 
 
-def _worker(rank, world, port, results):
+def _worker(rank, world, port, cases, results):
     import gradfx  # noqa: F401  (before the first forward registers hooks)
     from gradfx.capture import native
     assert native.wait() is not None, native.reason()  # the C++ hooks need the compiled part
     with gloo_group(rank, world, port):
-        record_cases(results, rank, CASES, _run_case)
+        record_cases(results, rank, cases, _run_case)
 
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn_ranks(_worker, 2)
+    return spawn_ranks(_worker, 2, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -243,3 +243,30 @@ PIECES = {
 def test_ddp_reducer_calls_cut_a_compiled_backward_once_per_bucket(results, name):
     for rank in (0, 1):
         assert results[(name, rank)]["pieces"][0] == PIECES[name], results[(name, rank)]["pieces"]
+
+
+# Inductor: the same cut per bucket; gradients within its float tolerance, everything else
+# as eager's (the buckets in their order, the node running at each launch, the callback).
+INDUCTOR_CASES = {"inductor_buckets": CASES["aot_eager_buckets"] | {"backend": "inductor"}}
+
+
+@pytest.fixture(scope="module")
+def inductor_results():
+    return spawn_ranks(_worker, 2, INDUCTOR_CASES)
+
+
+@pytest.mark.slow
+def test_ddp_reducer_under_inductor(inductor_results):
+    for rank in (0, 1):
+        got = inductor_results[("inductor_buckets", rank)]
+        assert "error" not in got, got.get("error")
+        eager, captured = got["eager"], got["gradfx"]
+        assert [e[0] for e in captured] == [e[0] for e in eager]
+        for a, b in zip(eager, captured):
+            if a[0] == "bucket":
+                assert a == b
+            else:  # the final callback's and the step's gradients
+                for x, y in zip(a[1], b[1]):
+                    torch.testing.assert_close(torch.tensor(y), torch.tensor(x), rtol=1e-5, atol=1e-6)
+        assert got["pieces"][0] == PIECES["aot_eager_buckets"]
+        assert got["stats"]["captures"] == 1 and got["stats"]["fallbacks"] == 0, got["stats"]
