@@ -9,7 +9,6 @@ shape of graph reuse the compiled graph.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 
@@ -226,6 +225,21 @@ def checkpoint_valid() -> bool | None:
     return state[3] if state is not None else None
 
 
+class _Once:
+    """``fn()``, computed on the first call and kept (functools.cache's wrapper costs more to
+    make than a backward that never asks)."""
+
+    __slots__ = ("fn", "value")
+
+    def __init__(self, fn):
+        self.fn, self.value = fn, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.fn()
+        return self.value
+
+
 class graph_task:
     """Context: Python code running inside it (hooks, custom backwards, checkpoint's
     recomputation) sees one backward task, executing the nodes ``executed_ids()``
@@ -236,7 +250,7 @@ class graph_task:
         # empty); a reentrant checkpoint refuses to run inside grad() / backward(inputs=).
         # grad_inputs: for autograd.grad(), ids of its inputs' nodes; eager refuses to
         # answer for the accumulator of a leaf among them.
-        self.state = (next(_task_ids), functools.cache(executed_ids), keep_graph, checkpoint_valid, grad_inputs)
+        self.state = (next(_task_ids), _Once(executed_ids), keep_graph, checkpoint_valid, grad_inputs)
 
     def __enter__(self):
         self.prev = getattr(_task, "state", None)
