@@ -19,8 +19,7 @@ from torch.fx.graph import _BoxedCodeGen
 from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
 from ..capture.runtime import counters
-from ..capture.runtime.hook_ops import call_node_post_hooks
-from ..capture.runtime.runtime_ops import accumulate_grad, accumulator_with_post_hooks, unchecked_accumulator
+from ..capture.runtime.runtime_ops import accumulate_grad, unchecked_accumulator
 from ..reorder.memory import frees_inputs_early
 from . import bindings
 from .registry import register_backend, takes_plain_graph
@@ -55,7 +54,6 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     accumulate = unchecked_accumulator()
     for node in graph.find_nodes(op="call_function", target=accumulate_grad):
         node.target = accumulate
-    _with_post_hooks(graph, accumulate)
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             fast = bindings.fastest(node) if plain else None
@@ -75,23 +73,6 @@ def eager(gm: fx.GraphModule, example_inputs: list):
         return forward(list(args))
     run._boxed = forward
     return run
-
-
-def _with_post_hooks(graph: fx.Graph, accumulate) -> None:
-    """Each accumulation followed right away by its accumulator's post-hooks, given its
-    gradient alone (DDP's reducer, C++): one call of the compiled part for both, where it
-    is loaded (a Python call less per parameter of a DDP model)."""
-    fused = accumulator_with_post_hooks()
-    if fused is None:
-        return
-    for acc in list(graph.find_nodes(op="call_function", target=accumulate)):
-        hooks = acc.next
-        if hooks.op == "call_function" and hooks.target is call_node_post_hooks and len(acc.args) == 3 \
-                and not acc.kwargs and not acc.users and not hooks.users and hooks.args[1:] == ((acc.args[1],),):
-            with graph.inserting_before(acc):
-                graph.call_function(fused, (*acc.args, hooks.args[0]))
-            graph.erase_node(hooks)
-            graph.erase_node(acc)
 
 
 def _without_torch_function(forward):

@@ -12,8 +12,6 @@
 // A count just above it (a frame evaluator may hold one more) goes to the Python
 // reference, which decides as it always has.
 
-#include "checks.h"
-
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -100,28 +98,6 @@ PyObject* accumulate(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
   }
 }
 
-// accumulate_grad_post_hooks(variable, grad, may_steal, node): the two calls a graph makes
-// for a parameter whose accumulator has post-hooks (DDP's reducer), in one: accumulate_grad,
-// then the node's post-hooks with (grad,), as the engine runs them (post_hooks.cpp).
-PyObject* accumulate_post_hooks(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "accumulate_grad_post_hooks(variable, grad, may_steal, node)");
-    return nullptr;
-  }
-  PyObject* done = accumulate(self, args, 3);
-  if (done == nullptr) {
-    return nullptr;
-  }
-  Py_DECREF(done);
-  PyObject* inputs = PyTuple_Pack(1, args[1]);
-  if (inputs == nullptr) {
-    return nullptr;
-  }
-  PyObject* out = gradfx_native::run_node_post_hooks(args[3], inputs);
-  Py_DECREF(inputs);
-  return out;
-}
-
 PyObject* refcount(PyObject* /*self*/, PyObject* arg) {
   return PyLong_FromSsize_t(Py_REFCNT(arg));
 }
@@ -150,8 +126,6 @@ PyObject* set_fallback(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nar
 #define GRADFX_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&f))
 PyMethodDef accumulate_def = {"accumulate_grad", GRADFX_FASTCALL(accumulate), METH_FASTCALL,
                               "AccumulateGrad as eager runs it, for the eager backend's graphs"};
-PyMethodDef with_hooks_def = {"accumulate_grad_post_hooks", GRADFX_FASTCALL(accumulate_post_hooks), METH_FASTCALL,
-                              "accumulate_grad, then the accumulator's post-hooks"};
 PyMethodDef refcount_def = {"refcount", refcount, METH_O, "the argument's reference count as a C function sees it"};
 PyMethodDef fallback_def = {"set_accumulate_fallback", GRADFX_FASTCALL(set_fallback), METH_FASTCALL,
                             "what accumulate_grad hands every other case to"};
@@ -160,7 +134,7 @@ PyMethodDef fallback_def = {"set_accumulate_fallback", GRADFX_FASTCALL(set_fallb
 }  // namespace
 
 void add_accumulate(py::module_& m) {
-  for (PyMethodDef* def : {&accumulate_def, &with_hooks_def, &refcount_def, &fallback_def}) {
+  for (PyMethodDef* def : {&accumulate_def, &refcount_def, &fallback_def}) {
     m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_New(def, nullptr));
   }
 }

@@ -73,11 +73,6 @@ PyObject* held(const NodePtr& node, PyObject* offsets, PyObject* mask);
 // How many of the node's post-hooks are C++ hooks, not a Python hook's wrapper (post_hooks.cpp).
 long cpp_post_hook_count(torch::autograd::Node* node);
 
-// A builtin node's post-hooks run as the engine runs them (post_hooks.cpp), with ``node``
-// what Python's current-node question answers meanwhile; ``inputs``: a tuple of tensors or
-// None.  Returns None, or nullptr with a Python error set.
-PyObject* run_node_post_hooks(PyObject* node, PyObject* inputs);
-
 // Sizes gathered in C++ appended to a Python list; false (an error set) if that fails.
 bool extend(PyObject* list, const std::vector<int64_t>& sizes);
 

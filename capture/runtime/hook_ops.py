@@ -136,23 +136,14 @@ def retain_grad(tensor, grad) -> None:
 def call_node_post_hooks(node, grads: tuple) -> None:
     """Every post-hook of a builtin node, in registration order, C++ hooks among them (the
     reducer of DistributedDataParallel on a parameter's accumulator), as the engine calls
-    them: through gradfx's compiled part, which alone can reach a C++ hook, with ``node``
-    running meanwhile (:func:`running_node`).  The graph calls this only inside an engine
-    graph task (``routing.in_engine_task``), where the C++ hooks can queue the final
-    callbacks they queue."""
-    native_post_hooks()(node, grads)  # loaded: the walk asked it of the node's hooks
-
-
-def native_post_hooks():
-    """The compiled part's ``run_post_hooks``, told where the running node is kept."""
-    if not _runner:
-        module = native.module()
-        module.set_running_node_holder(_task)
-        _runner.append(module.run_post_hooks)
-    return _runner[0]
-
-
-_runner: list = []
+    them: through gradfx's compiled part, which alone can reach a C++ hook.  The graph
+    calls this only inside an engine graph task (``routing.in_engine_task``), where the C++
+    hooks can queue the final callbacks they queue."""
+    previous = running_node(node)
+    try:
+        native.module().run_post_hooks(node, grads)  # loaded: the walk asked it of the node's hooks
+    finally:
+        done_running(previous)
 
 
 def call_post_accumulate_hook(hook, variable, node=None) -> None:

@@ -140,21 +140,6 @@ def unchecked_accumulator():
 _native: list = []
 
 
-def accumulator_with_post_hooks():
-    """What the eager backend's graphs call for an accumulation followed by the accumulator's
-    post-hooks (``hook_ops.call_node_post_hooks`` of its gradient alone): both in one call of
-    the compiled part, ``(variable, grad, may_steal, node)``; None where it is not loaded."""
-    if not _with_post_hooks:
-        if unchecked_accumulator() is accumulate_grad_unchecked:
-            return None
-        hook_ops.native_post_hooks()  # the running node's holder, set
-        _with_post_hooks.append(_named(native.module().accumulate_grad_post_hooks, "accumulate_grad_post_hooks"))
-    return _with_post_hooks[0]
-
-
-_with_post_hooks: list = []
-
-
 def _named(fn, name: str):
     """A C function as fx's code can name it (a global of this module's name); the call
     passes its arguments on untouched (no reference more)."""
