@@ -43,8 +43,8 @@ from torch.utils import _pytree as pytree
 
 from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
-from ..capture.runtime import counters
-from ..capture.trace.fx_kinds import CPP_POST_HOOKS, has_side_effect, kind_of
+from ..capture.runtime import counters, ddp_buckets
+from ..capture.trace.fx_kinds import CPP_POST_HOOKS, has_side_effect, kind_of, shares_storage
 from ..reorder.memory import free_inputs_early
 from . import repeated_blocks
 
@@ -138,7 +138,7 @@ def _bucket_ends(marked: list) -> set:
     step: parameters in the order their gradients became ready (the graph's), a bucket per
     dtype closed once it holds DDP's default bytes (1 MiB for the first, 25 MiB after).
     Where a DDP was given other sizes, only where the all-reduces start differs."""
-    caps = (_FIRST_BUCKET_BYTES, _BUCKET_BYTES)
+    caps = ddp_buckets.default_caps()
     filled: dict = {}  # dtype -> (bytes so far, buckets closed)
     last: dict = {}  # dtype -> its last call, which completes its last bucket
     ends = set()
@@ -159,10 +159,6 @@ def _bucket_ends(marked: list) -> set:
     return ends
 
 
-_FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
-_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's bucket_cap_mb default
-
-
 def _views_of(nodes: list) -> set:
     """Every value of the graph sharing memory with one of ``nodes`` through views."""
     roots = []
@@ -180,17 +176,14 @@ def _views_of(nodes: list) -> set:
 
 
 def _view_of(node: fx.Node):
-    """The value ``node`` is a view of (a view op's input; for an output of an op returning
-    views, such as split, that op's input), or None."""
+    """The value whose memory ``node`` shares (a view op's input; for an output of an op
+    returning views, such as split, that op's input), or None."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     if node.target is operator.getitem:
-        return node.args[0] if _is_view(node.args[0]) else None
-    return node.args[0] if _is_view(node) else None
-
-
-def _is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+        source = node.args[0]
+        return source if source.op == "call_function" and shares_storage(source.target) else None
+    return node.args[0] if shares_storage(node.target) else None
 
 
 def _subgraph(gm: fx.GraphModule, nodes: list, inputs: list, outputs: list) -> fx.GraphModule:

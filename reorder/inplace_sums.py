@@ -21,14 +21,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..capture.trace.fx_kinds import BUFFER_SUM
+from ..capture.trace.fx_kinds import BUFFER_SUM, shares_storage
 from ..capture.trace.plain_layout import plainly_contiguous
 
 aten = torch.ops.aten
-
-# Ops that return a tensor sharing its input's storage without saying so in their schema.
-_SHARES_STORAGE = frozenset({aten._unsafe_view.default, aten._reshape_alias.default, aten.lift_fresh.default})
-
 
 def inplace_sums(graph: fx.Graph) -> None:
     for node in graph.find_nodes(op="call_function", target=aten.add.Tensor):
@@ -72,7 +68,7 @@ def _own_tensor(node: fx.Node) -> bool:
         return False
     if op is aten.add_.Tensor:  # an earlier sum made in place: into a tensor of its own?
         return bool(node.meta.get(BUFFER_SUM)) and _own_tensor(node.args[0])
-    if op.is_view or op in _SHARES_STORAGE:  # a view of a tensor of its own that nothing else uses
+    if shares_storage(op):  # a view of a tensor of its own that nothing else uses
         base = node.args[0]
         return isinstance(base, fx.Node) and len(base.users) == 1 and _own_tensor(base)
     return all(r.alias_info is None for r in op._schema.returns)

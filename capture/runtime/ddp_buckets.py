@@ -76,6 +76,14 @@ def bucket_caps(ddp) -> tuple[int, int]:
     return (int(dist._DEFAULT_FIRST_BUCKET_BYTES) if getattr(ddp, "bucket_bytes_cap_default", True) else cap), cap
 
 
+def default_caps() -> tuple[int, int]:
+    """(first bucket's bytes, later buckets' bytes) of a DDP given no sizes of its own."""
+    import torch.distributed as dist
+    import torch.nn.parallel.distributed as ddp_module
+    megabytes = getattr(ddp_module, "_DEFAULT_BUCKET_CAP_MB", 25)  # named from 2.12 on
+    return int(dist._DEFAULT_FIRST_BUCKET_BYTES), int(megabytes * 1024 * 1024)
+
+
 class Buckets:
     """One backward's buckets.  ``plan`` holds, per bucket, its numel and each member's
     (offset, numel, dtype)."""

@@ -63,6 +63,17 @@ def data_inputs(node: fx.Node) -> list:
     return node.all_input_nodes
 
 
+# Ops that return a tensor sharing its input's storage without saying so in their schema.
+_SHARES_STORAGE = frozenset({torch.ops.aten._unsafe_view.default, torch.ops.aten._reshape_alias.default,
+                             torch.ops.aten.lift_fresh.default})
+
+
+def shares_storage(target) -> bool:
+    """Does the op return a tensor sharing its first argument's memory (a view, or an op such
+    as ``_unsafe_view`` that does so without its schema saying it)?"""
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _SHARES_STORAGE)
+
+
 def has_side_effect(node: fx.Node) -> bool:
     """Must the node stay, and keep its place among the other side effects, even if
     nothing uses its result?"""
