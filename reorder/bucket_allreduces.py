@@ -21,25 +21,28 @@ Before::
 
 After (one bucket)::
 
-    buckets = open_buckets(((n_w2 + n_w1, ((0, n_w2, float32), (n_w2, n_w1, float32))),))
+    buckets = open_buckets(((n_w2 + n_w1, ((0, n_w2, float32, 0), (n_w2, n_w1, float32, 0)), 0, ()),))
     accumulate_grad(w2, g_w2); ready(buckets, 0, 0, ddp_hook, w2)
     g_h = mm(g, w2); g_w1 = mm(g_h, x)
     accumulate_grad(w1, g_w1); ready(buckets, 0, 1, ddp_hook, w1)   # starts the all-reduce
     finish(buckets)
     return ()
 
+Over more than two gloo ranks a bucket's members are laid out so that its one
+all-reduce adds each element in the order of the member's own (``gloo_ring``).
 Every gradient stays eager's bit for bit (``capture.runtime.ddp_buckets`` says why);
 :func:`unbucket` turns the calls back into the hook's for compilers that trace hooks.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
 import torch.fx as fx
 
-from ..capture.runtime import ddp_buckets, hook_ops, runtime_ops
+from ..capture.runtime import ddp_buckets, gloo_ring, hook_ops, runtime_ops
 
 _ACCUMULATIONS = (runtime_ops.accumulate_grad, runtime_ops.accumulate_grad_unchecked,
                   runtime_ops.accumulate_grad_create_graph)
@@ -82,8 +85,8 @@ def _plan(members: list, first: list) -> list:
     bucket, size, key, cap = -1, 0, None, 0
     for node in members:
         p = node.meta["gradfx_allreduce"]
-        if bucket < 0 or (p.dtype, p.group) != key or size >= cap:
-            bucket, size, key = bucket + 1, 0, (p.dtype, p.group)
+        if bucket < 0 or (p.dtype, p.group, p.ring) != key or size >= cap:
+            bucket, size, key = bucket + 1, 0, (p.dtype, p.group, p.ring)
             cap = p.first_cap if first[0] else p.cap
             first[0] = False
         size += p.numel * p.dtype.itemsize
@@ -91,18 +94,31 @@ def _plan(members: list, first: list) -> list:
     return out
 
 
+def _layout(planned: list) -> tuple:
+    """One bucket's plan: (numel, (offset, numel, dtype, width) of each member, ring, gaps).
+    Members follow each other (width 0), or, where the all-reduce is gloo's ring over more
+    than two ranks, sit in the rows of a ``[ring, numel // ring]`` buffer that keep each
+    one's order of additions (``capture.runtime.gloo_ring``), the unwritten ``gaps`` zeroed."""
+    numels = [p.numel for p in planned]
+    ring, dtype = planned[0].ring, planned[0].dtype
+    if not ring:
+        offsets = (0, *itertools.accumulate(numels))
+        return sum(numels), tuple((o, n, dtype, 0) for o, n in zip(offsets, numels)), 0, ()
+    row, places = gloo_ring.layout(numels, dtype.itemsize, ring)
+    members = tuple((column, n, dtype, width) for (column, width), n in zip(places, numels))
+    return ring * row, members, ring, gloo_ring.gaps(row, places, numels, ring)
+
+
 def _bucket(graph: fx.Graph, members: list, before: fx.Node, first: list) -> None:
     where = _plan(members, first)
-    plan = [[] for _ in range(where[-1] + 1)]  # per bucket: (offset, numel, dtype) of each member
-    totals = [0] * len(plan)
+    planned = [[] for _ in range(where[-1] + 1)]
     slots = []
     for node, bucket in zip(members, where):
-        p = node.meta["gradfx_allreduce"]
-        slots.append((bucket, len(plan[bucket])))
-        plan[bucket].append((totals[bucket], p.numel, p.dtype))
-        totals[bucket] += p.numel
+        slots.append((bucket, len(planned[bucket])))
+        planned[bucket].append(node.meta["gradfx_allreduce"])
+    plan = tuple(_layout(each) for each in planned)
     with graph.inserting_before(members[0]):
-        state = graph.call_function(ddp_buckets.open_buckets, (tuple(zip(totals, map(tuple, plan))),))
+        state = graph.call_function(ddp_buckets.open_buckets, (plan,))
     _stamp(state, members[0])
     for node, (bucket, k) in zip(members, slots):
         hook, variable, running = node.args

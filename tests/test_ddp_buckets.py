@@ -6,8 +6,9 @@ two DDP models built alike train side by side, one on the eager engine and one u
 gradfx, and on every step and rank:
 * gradients are bitwise equal, and so is what a user's hook sees;
 * the collectives gradfx issues are the planned buckets' (counted), fewer than eager's
-  one per parameter, where two ranks make a bucket's sum exact; over three ranks each
-  parameter's all-reduce is its own, as eager's;
+  one per parameter: over two ranks a bucket's sum is exact wherever a value sits, over
+  three and four the bucket is laid out in gloo's ring order (``gloo_ring``), whose rule
+  is checked on its own against gloo's all-reduce of each tensor alone;
 * no fallback warning (the block is strict about it).
 """
 
@@ -154,7 +155,7 @@ CASES = {
     # before the stop is reduced before the rest runs node by node
     "stop": {"stop": True},
 }
-THREE_RANK_CASES = {"buckets": CASES["buckets"]}
+MORE_RANK_CASES = {"buckets": CASES["buckets"], "one_bucket": CASES["one_bucket"]}
 
 
 def _worker(rank, world, port, cases, results):
@@ -207,10 +208,110 @@ def test_python_reducer_buckets_equal_eager(results, name):
         assert all(buckets > 1 and alone == 0 for buckets, alone in collectives), collectives
 
 
-def test_three_ranks_reduce_each_parameter_alone():
-    """Over three ranks a bucket's sum would add in another order than each parameter's:
-    gradfx starts the hook's own all-reduces early instead, and stays bitwise."""
-    results = spawn_ranks(_worker, 3, THREE_RANK_CASES)
-    per_rank = _check_common(results, "buckets", 3)
-    params = results[("buckets", 0)]["params"]
-    assert per_rank[0] == [(0, params)] * STEPS
+# Sizes around gloo's pieces: smaller than the ranks, odd, one of 10.8 MB (three pieces per
+# rank over four ranks), and a bucket of about 13 MB (four pieces per rank)
+RING_SIZES = (0, 1, 3, 5, 11, 100, 1000, 65536, 600001, 2700001)
+
+
+def _order_revealing(world, dtype):
+    """One value per rank whose sums, started at each rank and run down the ring, all
+    differ: a tensor holding them everywhere shows, at every element, where its sum began."""
+    import random
+    pick = random.Random(world)
+    bits = {torch.float32: 24, torch.float64: 53}[dtype]  # significand bits
+    while True:
+        values = torch.tensor([pick.choice((1, -1)) * 2.0 ** pick.randint(0, bits + 2) + pick.choice((0, 1, 3))
+                               for _ in range(world)], dtype=dtype)
+        if len(set(_ring_sum(values, s).item() for s in range(world))) == world:
+            return values
+
+
+def _ring_sum(values, start):
+    """The sum of ``values[r]`` (a tensor per rank, or one value each) as gloo's ring adds a
+    chunk whose sum starts at rank ``start``: ``start``, ``start - 1``, ... down the ring."""
+    world = len(values)
+    total = values[start]
+    for k in range(1, world):
+        total = total + values[(start - k) % world]
+    return total
+
+
+def _ring_layout_case(rank):
+    """The rule of ``gloo_ring`` against gloo's all-reduce: each tensor all-reduced alone
+    starts each chunk's sum where ``chunk_length`` says, and the same tensors in one buffer
+    laid out by ``layout`` sum bitwise as alone, where a buffer of them one after another
+    does not.  Values that reveal each element's order, and random ones (each member's
+    place)."""
+    from gradfx.capture.runtime import gloo_ring
+    world = dist.get_world_size()
+    assert gloo_ring.ranks_of(dist.group.WORLD, torch.device("cpu")) == world
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        sizes = RING_SIZES if dtype is torch.float32 else RING_SIZES[:-2]
+        revealing = _order_revealing(world, dtype)
+        g = torch.Generator().manual_seed(rank)
+        for kind in ("revealing", "random"):
+            if kind == "revealing":
+                xs = [torch.full((n,), revealing[rank].item(), dtype=dtype) for n in sizes]
+            else:
+                xs = [torch.randn(n, generator=g, dtype=dtype) for n in sizes]
+            alone = [x.clone() for x in xs]
+            for x in alone:
+                dist.all_reduce(x)
+            row, places = gloo_ring.layout(sizes, dtype.itemsize, world)
+            flat = torch.full((world * row,), float("nan"), dtype=dtype)
+            for begin, stop in gloo_ring.gaps(row, places, sizes, world):
+                flat[begin:stop] = 0
+            rows = flat.view(world, row)
+            for x, (column, width) in zip(xs, places):
+                full, rest = divmod(x.numel(), width) if width else (0, 0)
+                rows[:full, column:column + width] = x[:full * width].view(full, width)
+                if rest:
+                    rows[full, column:column + rest] = x[full * width:]
+            covered = not flat.isnan().any()
+            dist.all_reduce(flat)
+            together = []
+            for x, (column, width) in zip(xs, places):
+                full, rest = divmod(x.numel(), width) if width else (0, 0)
+                together.append(torch.cat([rows[:full, column:column + width].reshape(-1),
+                                           rows[full, column:column + rest] if rest else rows[:0, 0]]))
+            following = torch.cat([x.reshape(-1) for x in xs])
+            dist.all_reduce(following)
+            got = {"covered": covered, "differ": _differ(sizes, alone, together),
+                   "following_differ": _differ(sizes, alone, following.split(list(sizes)))}
+            if kind == "revealing":
+                sums = torch.stack([_ring_sum(revealing, s) for s in range(world)])
+                expected = [sums[(torch.arange(n) // max(gloo_ring.chunk_length(n, dtype.itemsize, world), 1)
+                                  + world - 1) % world] for n in sizes]
+                got["rule_differs"] = _differ(sizes, alone, expected)
+            out[f"{dtype} {kind}"] = got
+    return out
+
+
+def _differ(sizes, a, b) -> list:
+    return [n for n, x, y in zip(sizes, a, b) if not torch.equal(x, y)]
+
+
+def _more_ranks_worker(rank, world, port, cases, results):
+    with gloo_group(rank, world, port):
+        record_cases(results, rank, cases, _run_case)
+        results[("ring_layout", rank)] = _ring_layout_case(rank)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_more_ranks_buckets_keep_each_parameters_order(world):
+    """Over three and four ranks the buckets add every gradient in the order of its own
+    all-reduce: bitwise eager's, with one collective per bucket."""
+    results = spawn_ranks(_more_ranks_worker, world, MORE_RANK_CASES)
+    for name in MORE_RANK_CASES:
+        per_rank = _check_common(results, name, world)
+        assert all(p == per_rank[0] for p in per_rank)
+        params = results[(name, 0)]["params"]
+        if name == "one_bucket":
+            assert per_rank[0] == [(1, 0)] * STEPS
+        else:
+            assert all(1 < buckets < params and alone == 0 for buckets, alone in per_rank[0]), per_rank[0]
+    for rank in range(world):
+        for what, got in results[("ring_layout", rank)].items():
+            assert got["covered"] and got["differ"] == [] and got.get("rule_differs", []) == [], (rank, what, got)
+            assert got["following_differ"], (rank, what, got)  # the order does matter

@@ -22,7 +22,9 @@ Each gradient is eager's, bit for bit:
   the pass puts that);
 * over two ranks a sum is ``a + b`` wherever the value sits in the buffer.  Over more,
   the collective's order of additions depends on the value's place (gloo's ring starts
-  each chunk's sum at another rank): there each member's all-reduce is the hook's own,
+  each chunk's sum at another rank): on gloo the pass lays the bucket out so that each
+  member's chunks sit where the bucket's all-reduce adds them in the member's own order
+  (``gloo_ring``); on another backend each member's all-reduce is the hook's own,
   started by ``ready`` and waited by ``finish``;
 * a call whose hook is not DDP's Python reducer (the graph takes hooks as inputs),
   whose DDP has comm hooks, or whose gradient is not what was planned (another size
@@ -50,6 +52,7 @@ class Planned(NamedTuple):
     group: int  # id() of DDP's process group: a bucket serves one group
     first_cap: int  # DDP's first bucket's bytes
     cap: int  # its other buckets' bytes
+    ring: int  # the group's ranks where its all-reduce is gloo's ring over more than two, else 0
 
 
 def reducer_of(hook):
@@ -85,15 +88,17 @@ def default_caps() -> tuple[int, int]:
 
 
 class Buckets:
-    """One backward's buckets.  ``plan`` holds, per bucket, its numel and each member's
-    (offset, numel, dtype)."""
+    """One backward's buckets.  ``plan`` holds, per bucket, (numel, each member's (offset,
+    numel, dtype, width), ring, gaps): with ``ring`` 0 the members follow each other;
+    else the buffer is ``[ring, numel // ring]`` and a member's chunk ``c`` is row ``c``'s
+    ``width`` elements from column ``offset`` (``reorder.bucket_allreduces._layout``)."""
 
     __slots__ = ("plan", "flat", "left", "group", "written", "works", "alone")
 
     def __init__(self, plan: tuple):
         self.plan = plan
         self.flat = [None] * len(plan)  # bucket -> its buffer, once a member wrote into it
-        self.left = [len(members) for _, members in plan]  # bucket -> members not yet ready
+        self.left = [len(members) for _, members, _, _ in plan]  # bucket -> members not yet ready
         self.group = [None] * len(plan)  # bucket -> the process group its all-reduce goes to
         self.written = [[] for _ in plan]  # bucket -> (grad, offset, numel) of each member written
         self.works = []  # (work, bucket) of the all-reduces started
@@ -117,10 +122,10 @@ class Buckets:
             return self._done(bucket)
         group = ddp.process_group
         size = group.size()
-        total, members = self.plan[bucket]
-        offset, numel, dtype = members[member]
-        if size > 2 or self.left[bucket] <= 0 or grad.numel() != numel or grad.dtype != dtype \
-                or self.group[bucket] not in (None, group):
+        total, members, ring, gaps = self.plan[bucket]
+        offset, numel, dtype, width = members[member]
+        if (size > 2 and (size != ring or grad.device.type != "cpu")) or self.left[bucket] <= 0 \
+                or grad.numel() != numel or grad.dtype != dtype or self.group[bucket] not in (None, group):
             import torch.distributed._functional_collectives as fcol
             self.alone.append((grad, fcol.all_reduce(grad / size, "sum", group)))  # the hook's own
             return self._done(bucket)
@@ -128,8 +133,19 @@ class Buckets:
         if flat is None:
             flat = self.flat[bucket] = torch.empty(total, dtype=dtype, device=grad.device)
             self.group[bucket] = group
-        torch.div(grad, size, out=flat[offset:offset + numel].view(grad.shape))
-        self.written[bucket].append((grad, offset, numel))
+            for start, stop in gaps:
+                flat[start:stop].zero_()
+        if ring:
+            rows = flat.view(ring, -1)
+            flat_grad = grad.reshape(-1)  # the hook's all-reduce adds in this order
+            full, rest = divmod(numel, width) if width else (0, 0)
+            if full:
+                torch.div(flat_grad[:full * width].view(full, width), size, out=rows[:full, offset:offset + width])
+            if rest:
+                torch.div(flat_grad[full * width:], size, out=rows[full, offset:offset + rest])
+        else:
+            torch.div(grad, size, out=flat[offset:offset + numel].view(grad.shape))
+        self.written[bucket].append((grad, member))
         self._done(bucket)
 
     def _done(self, bucket: int) -> None:
@@ -141,14 +157,17 @@ class Buckets:
         flat = self.flat[bucket]
         if flat is None:
             return
-        members = self.plan[bucket][1]
+        _, members, ring, _ = self.plan[bucket]
         if len(self.written[bucket]) < len(members):
             # Members with nothing to reduce add zeros, not the buffer's leftovers: a rank
             # whose parameter had a gradient sums it with this rank's zeros.
-            written = {offset for _, offset, _ in self.written[bucket]}
-            for offset, numel, _ in members:
-                if offset not in written:
-                    flat[offset:offset + numel].zero_()
+            written = {member for _, member in self.written[bucket]}
+            for member, (offset, numel, _, width) in enumerate(members):
+                if member not in written:
+                    if ring:
+                        flat.view(ring, -1)[:, offset:offset + width].zero_()
+                    else:
+                        flat[offset:offset + numel].zero_()
         import torch.distributed as dist
         self.works.append((dist.all_reduce(flat, group=self.group[bucket], async_op=True), bucket))
 
@@ -165,13 +184,31 @@ class Buckets:
         for work, bucket in works:
             work.wait()
             flat = self.flat[bucket]
-            for grad, offset, numel in self.written[bucket]:
-                grad.copy_(flat[offset:offset + numel].view(grad.shape))
+            _, members, ring, _ = self.plan[bucket]
+            for grad, member in self.written[bucket]:
+                offset, numel, _, width = members[member]
+                if ring:
+                    _copy_rows(grad, flat.view(ring, -1), offset, numel, width)
+                else:
+                    grad.copy_(flat[offset:offset + numel].view(grad.shape))
             self.flat[bucket] = None
             self.written[bucket] = []
         alone, self.alone = self.alone, []
         for grad, reduced in alone:
             grad.copy_(reduced)
+
+
+def _copy_rows(grad: torch.Tensor, rows: torch.Tensor, offset: int, numel: int, width: int) -> None:
+    """Copy a member's sums, its chunks in ``rows``' columns from ``offset``, into ``grad``."""
+    full, rest = divmod(numel, width) if width else (0, 0)
+    contiguous = grad.is_contiguous()
+    into = grad.view(-1) if contiguous else torch.empty(numel, dtype=grad.dtype, device=grad.device)
+    if full:
+        into[:full * width].view(full, width).copy_(rows[:full, offset:offset + width])
+    if rest:
+        into[full * width:].copy_(rows[full, offset:offset + rest])
+    if not contiguous:
+        grad.copy_(into.view(grad.shape))
 
 
 def open_buckets(plan: tuple) -> Buckets:

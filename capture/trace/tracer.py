@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 
 from .. import native
-from ..runtime import ddp_buckets, hook_ops, runtime_ops
+from ..runtime import ddp_buckets, gloo_ring, hook_ops, runtime_ops
 from . import aot_regions, engine_loop, fast_ops, plain_layout, sym_memo
 from .fx_kinds import BUFFER_SUM, CPP_POST_HOOKS, RUNTIME_SUBCLASS
 from .scoped_patch import ScopedPatch
@@ -502,7 +502,8 @@ class _Tracer:
             if ddp is not None:  # DDP's Python reducer: reorder.bucket_allreduces plans it into a bucket
                 variable = self.call.inputs[var_pos]
                 self.last_call.meta["gradfx_allreduce"] = ddp_buckets.Planned(
-                    variable.numel(), variable.dtype, id(ddp.process_group), *ddp_buckets.bucket_caps(ddp))
+                    variable.numel(), variable.dtype, id(ddp.process_group), *ddp_buckets.bucket_caps(ddp),
+                    gloo_ring.ranks_of(ddp.process_group, variable.device))
 
     def running(self, i):
         """The input holding node ``i`` itself, which its hooks see running (hook_ops._call);
