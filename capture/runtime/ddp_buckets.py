@@ -93,20 +93,21 @@ class Buckets:
     else the buffer is ``[ring, numel // ring]`` and a member's chunk ``c`` is row ``c``'s
     ``width`` elements from column ``offset`` (``reorder.bucket_allreduces._layout``)."""
 
-    __slots__ = ("plan", "flat", "left", "group", "written", "works", "alone")
+    __slots__ = ("plan", "left", "group", "written", "works", "alone")
 
     def __init__(self, plan: tuple):
         self.plan = plan
-        self.flat = [None] * len(plan)  # bucket -> its buffer, once a member wrote into it
         self.left = [len(members) for _, members, _, _ in plan]  # bucket -> members not yet ready
         self.group = [None] * len(plan)  # bucket -> the process group its all-reduce goes to
-        self.written = [[] for _ in plan]  # bucket -> (grad, offset, numel) of each member written
-        self.works = []  # (work, bucket) of the all-reduces started
+        self.written = [[] for _ in plan]  # bucket -> (grad, member) of each member it reduces
+        self.works = []  # (work, bucket, buffer) of the all-reduces started
         self.alone = []  # (grad, its all-reduced sum) of members reduced on their own
 
     def ready(self, bucket: int, member: int, hook, variable, node=None) -> None:
-        """DDP's hook, called after ``variable``'s accumulation: its gradient's all-reduce
-        joins the bucket (or starts on its own), to be copied back by :meth:`finish`."""
+        """DDP's hook, called after ``variable``'s accumulation: its gradient joins the
+        bucket (or starts its all-reduce on its own), to be copied back by :meth:`finish`.
+        Nothing reads or writes the ``.grad`` before then (the pass sees to it): the
+        bucket's last member copies them all in."""
         ddp = reducer_of(hook)
         grad = None
         if ddp is not None and not ddp._comm_hooks:
@@ -122,29 +123,14 @@ class Buckets:
             return self._done(bucket)
         group = ddp.process_group
         size = group.size()
-        total, members, ring, gaps = self.plan[bucket]
-        offset, numel, dtype, width = members[member]
+        _, members, ring, _ = self.plan[bucket]
+        _, numel, dtype, _ = members[member]
         if (size > 2 and (size != ring or grad.device.type != "cpu")) or self.left[bucket] <= 0 \
                 or grad.numel() != numel or grad.dtype != dtype or self.group[bucket] not in (None, group):
             import torch.distributed._functional_collectives as fcol
             self.alone.append((grad, fcol.all_reduce(grad / size, "sum", group)))  # the hook's own
             return self._done(bucket)
-        flat = self.flat[bucket]
-        if flat is None:
-            flat = self.flat[bucket] = torch.empty(total, dtype=dtype, device=grad.device)
-            self.group[bucket] = group
-            for start, stop in gaps:
-                flat[start:stop].zero_()
-        if ring:
-            rows = flat.view(ring, -1)
-            flat_grad = grad.reshape(-1)  # the hook's all-reduce adds in this order
-            full, rest = divmod(numel, width) if width else (0, 0)
-            if full:
-                torch.div(flat_grad[:full * width].view(full, width), size, out=rows[:full, offset:offset + width])
-            if rest:
-                torch.div(flat_grad[full * width:], size, out=rows[full, offset:offset + rest])
-        else:
-            torch.div(grad, size, out=flat[offset:offset + numel].view(grad.shape))
+        self.group[bucket] = group
         self.written[bucket].append((grad, member))
         self._done(bucket)
 
@@ -154,22 +140,35 @@ class Buckets:
             self._start(bucket)
 
     def _start(self, bucket: int) -> None:
-        flat = self.flat[bucket]
-        if flat is None:
+        """Fill the bucket's buffer with its members' gradients, divide it by the group's size
+        as the hook divides each (elementwise: the same quotients) and start its all-reduce."""
+        written = self.written[bucket]
+        if not written:
             return
-        _, members, ring, _ = self.plan[bucket]
-        if len(self.written[bucket]) < len(members):
-            # Members with nothing to reduce add zeros, not the buffer's leftovers: a rank
-            # whose parameter had a gradient sums it with this rank's zeros.
-            written = {member for _, member in self.written[bucket]}
-            for member, (offset, numel, _, width) in enumerate(members):
-                if member not in written:
-                    if ring:
-                        flat.view(ring, -1)[:, offset:offset + width].zero_()
-                    else:
-                        flat[offset:offset + numel].zero_()
+        total, members, ring, gaps = self.plan[bucket]
+        first = written[0][0]
+        flat = torch.empty(total, dtype=first.dtype, device=first.device)
+        if not ring and len(written) == len(members):
+            torch.cat([grad.reshape(-1) for grad, _ in written], out=flat)
+        else:
+            for begin, stop in gaps:
+                flat[begin:stop].zero_()
+            if len(written) < len(members):
+                # Members with nothing to reduce add zeros, not the buffer's leftovers: a rank
+                # whose parameter had a gradient sums it with this rank's zeros.
+                for member in sorted(set(range(len(members))) - {m for _, m in written}):
+                    for piece in _pieces(flat, members[member], ring):
+                        piece.zero_()
+            into, values = [], []
+            for grad, member in written:
+                into += _pieces(flat, members[member], ring)
+                values += _pieces(grad.reshape(-1), members[member], ring, grad_side=True)
+            if into:
+                torch._foreach_copy_(into, values)
+        group = self.group[bucket]
+        flat.div_(group.size())
         import torch.distributed as dist
-        self.works.append((dist.all_reduce(flat, group=self.group[bucket], async_op=True), bucket))
+        self.works.append((dist.all_reduce(flat, group=group, async_op=True), bucket, flat))
 
     def finish(self) -> None:
         """Wait for every all-reduce started and copy each sum into its ``.grad``.
@@ -177,38 +176,47 @@ class Buckets:
         A bucket some of whose members are still to come (a hook that is not DDP's ran
         between them) starts now; its later members are reduced on their own."""
         for bucket in range(len(self.plan)):
-            if self.left[bucket] > 0 and self.flat[bucket] is not None:
+            if self.left[bucket] > 0 and self.written[bucket]:
                 self.left[bucket] = -self.left[bucket]  # closed: see ready
                 self._start(bucket)
         works, self.works = self.works, []
-        for work, bucket in works:
+        for work, bucket, flat in works:
             work.wait()
-            flat = self.flat[bucket]
             _, members, ring, _ = self.plan[bucket]
+            into, sums, later = [], [], []
             for grad, member in self.written[bucket]:
-                offset, numel, _, width = members[member]
-                if ring:
-                    _copy_rows(grad, flat.view(ring, -1), offset, numel, width)
-                else:
-                    grad.copy_(flat[offset:offset + numel].view(grad.shape))
-            self.flat[bucket] = None
+                if grad.is_contiguous():
+                    target = grad.view(-1)
+                else:  # the sums into a contiguous copy first, then into the strided .grad
+                    target = torch.empty(grad.numel(), dtype=grad.dtype, device=grad.device)
+                    later.append((grad, target))
+                into += _pieces(target, members[member], ring, grad_side=True)
+                sums += _pieces(flat, members[member], ring)
+            if into:
+                torch._foreach_copy_(into, sums)
+            for grad, target in later:
+                grad.copy_(target.view(grad.shape))
             self.written[bucket] = []
         alone, self.alone = self.alone, []
         for grad, reduced in alone:
             grad.copy_(reduced)
 
 
-def _copy_rows(grad: torch.Tensor, rows: torch.Tensor, offset: int, numel: int, width: int) -> None:
-    """Copy a member's sums, its chunks in ``rows``' columns from ``offset``, into ``grad``."""
+def _pieces(tensor: torch.Tensor, place: tuple, ring: int, grad_side: bool = False) -> list:
+    """Where a member's elements lie: in the bucket's buffer (``tensor`` the buffer) or in
+    the flattened gradient (``grad_side``), in matching pieces.  Following members: one
+    piece.  In ``ring`` rows: its full chunks as one ``[rows, width]`` piece, and the
+    partial last chunk."""
+    offset, numel, _, width = place
+    if not ring:
+        return [tensor] if grad_side else [tensor[offset:offset + numel]]
     full, rest = divmod(numel, width) if width else (0, 0)
-    contiguous = grad.is_contiguous()
-    into = grad.view(-1) if contiguous else torch.empty(numel, dtype=grad.dtype, device=grad.device)
-    if full:
-        into[:full * width].view(full, width).copy_(rows[:full, offset:offset + width])
-    if rest:
-        into[full * width:].copy_(rows[full, offset:offset + rest])
-    if not contiguous:
-        grad.copy_(into.view(grad.shape))
+    if grad_side:
+        pieces = [tensor[:full * width].view(full, width)] if full else []
+        return pieces + [tensor[full * width:]] if rest else pieces
+    rows = tensor.view(ring, -1)
+    pieces = [rows[:full, offset:offset + width]] if full else []
+    return pieces + [rows[full, offset:offset + rest]] if rest else pieces
 
 
 def open_buckets(plan: tuple) -> Buckets:
