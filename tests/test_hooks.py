@@ -122,6 +122,52 @@ def test_post_accumulate_grad_hooks_optimizer_in_backward():
     run_both(build)
 
 
+class _NoneOnOddSteps(torch.autograd.Function):
+    """Identity whose backward returns None while ``drop`` is set."""
+    drop = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None if _NoneOnOddSteps.drop else grad
+
+
+@pytest.mark.parametrize("when", ["every_step", "some_steps"])
+def test_post_accumulate_grad_hooks_run_where_nothing_is_accumulated(when):
+    """AccumulateGrad calls a leaf's post-accumulate-grad hooks even when its gradient is
+    undefined (a custom backward's None) or the leaf stopped requiring grad: the hooks
+    run, and see the .grad as it was.  ``every_step``: the capture sees the None;
+    ``some_steps``: the graph, captured with a gradient, stops where the None comes."""
+    def build(log):
+        model = _mlp()
+        params = list(model.parameters())
+        frozen = nn.Parameter(torch.ones(3))
+        for k, p in enumerate(params + [frozen]):
+            p.register_post_accumulate_grad_hook(
+                lambda p, k=k: log.append(("post_acc", k, _snap(p.grad), tuple(_snap(q.grad) for q in params))))
+        step_no = [0]
+
+        def step():
+            _NoneOnOddSteps.drop = when == "every_step" or step_no[0] % 2 == 1
+            step_no[0] += 1
+            hidden = model[1](model[0](torch.randn(4, 6)))
+            out = model[4](model[3](model[2](_NoneOnOddSteps.apply(hidden))))
+            loss = out.pow(2).sum() + (frozen * 2).sum()
+            frozen.requires_grad_(False)  # its accumulator still runs, and calls its hook
+            try:
+                loss.backward()
+            finally:
+                frozen.requires_grad_(True)
+        return params + [frozen], step
+    # a capture traces the custom backward's result as a gradient; the None it returns then
+    # stops the graph, and gradfx captures again with that None (the second capture)
+    log = run_both(build, iterations=4, expect_captures=2)
+    assert sum(1 for entry in log if entry[1] == 0) == 4  # the first layer's hook ran every step
+
+
 def test_multi_grad_hooks_all_and_any():
     def build(log):
         model = _mlp()

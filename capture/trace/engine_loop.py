@@ -146,8 +146,11 @@ def _run_body(r, state: EngineState, i: int, inputs) -> None:
     if kind is ACCUMULATE:
         if inputs[0] is not None and node.variable.requires_grad:
             r.accumulate(i, inputs[0], call.records[i].node_input)
-            if spec is not None and spec.post_accumulate:
-                r.post_accumulate_hooks(i, spec, call.records[i].node_input)
+        # The leaf's post-accumulate-grad hooks run even where nothing was accumulated (an
+        # undefined gradient, a leaf that stopped requiring grad): AccumulateGrad calls them
+        # after its accumulation step, whatever that did.
+        if spec is not None and spec.post_accumulate:
+            r.post_accumulate_hooks(i, spec, call.records[i].node_input)
         if spec is not None:
             _post_hooks(r, i, spec, [], inputs)
         return
