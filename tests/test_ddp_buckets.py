@@ -62,13 +62,31 @@ class Branches(nn.Module):
         return self.head(torch.relu(self.b(x)) + h)
 
 
+class Convs(nn.Module):
+    """Convolutions in channels_last: their weights' gradients are not contiguous, and a
+    bucket reads and writes them in their logical order, as the hook's all-reduce adds."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Conv2d(8, 16, 3, padding=1)
+        self.second = nn.Conv2d(16, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):  # x: (4, 8, 32), seen as 4 images of 8 channels, 4 x 8
+        images = x.reshape(4, 8, 4, 8).contiguous(memory_format=torch.channels_last)
+        return self.head(self.second(torch.relu(self.first(images))).mean((2, 3)))
+
+
 def _build(case, seen):
     import torch._inductor.config as inductor_config
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     saved = (inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size)
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
-        model = DDP(Branches() if case.get("stop") else Net(), **case.get("ddp", {}))
+        module = Branches() if case.get("stop") else Convs() if case.get("convs") else Net()
+        if case.get("convs"):
+            module = module.to(memory_format=torch.channels_last)
+        model = DDP(module, **case.get("ddp", {}))
     inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size = saved
     if case.get("user_hook"):
         # on a middle parameter, after DDP's own hook: it sees every .grad DDP has reduced so far
@@ -155,7 +173,8 @@ CASES = {
     # before the stop is reduced before the rest runs node by node
     "stop": {"stop": True},
 }
-MORE_RANK_CASES = {"buckets": CASES["buckets"], "one_bucket": CASES["one_bucket"], "stop": CASES["stop"]}
+MORE_RANK_CASES = {"buckets": CASES["buckets"], "one_bucket": CASES["one_bucket"], "stop": CASES["stop"],
+                   "channels_last": {"convs": True, "ddp": {"bucket_cap_mb": 0.004}}}
 
 
 def _worker(rank, world, port, cases, results):
@@ -309,7 +328,7 @@ def test_more_ranks_buckets_keep_each_parameters_order(world):
         params = results[(name, 0)]["params"]
         if name == "one_bucket":
             assert per_rank[0] == [(1, 0)] * STEPS
-        elif name == "buckets":
+        elif name in ("buckets", "channels_last"):
             assert all(1 < buckets < params and alone == 0 for buckets, alone in per_rank[0]), per_rank[0]
         else:  # the stop: the bucket open there is reduced as it is, the members after it alone
             assert per_rank[0][1][0] >= 1 and per_rank[0][1][1] > 0, per_rank[0]
