@@ -148,21 +148,19 @@ class Buckets:
         total, members, ring, gaps = self.plan[bucket]
         first = written[0][0]
         flat = torch.empty(total, dtype=first.dtype, device=first.device)
-        if not ring and len(written) == len(members):
+        complete = len(written) == len(members)
+        if complete and not ring:
             torch.cat([grad.reshape(-1) for grad, _ in written], out=flat)
         else:
             for begin, stop in gaps:
                 flat[begin:stop].zero_()
-            if len(written) < len(members):
+            if not complete:
                 # Members with nothing to reduce add zeros, not the buffer's leftovers: a rank
                 # whose parameter had a gradient sums it with this rank's zeros.
-                for member in sorted(set(range(len(members))) - {m for _, m in written}):
-                    for piece in _pieces(flat, members[member], ring):
-                        piece.zero_()
-            into, values = [], []
-            for grad, member in written:
-                into += _pieces(flat, members[member], ring)
-                values += _pieces(grad.reshape(-1), members[member], ring, grad_side=True)
+                missing = sorted(set(range(len(members))) - {m for _, m in written})
+                for piece in _pieces(flat, self.plan[bucket], [(None, m) for m in missing], ())[0]:
+                    piece.zero_()
+            into, values = _pieces(flat, self.plan[bucket], written, [grad.reshape(-1) for grad, _ in written])
             if into:
                 torch._foreach_copy_(into, values)
         group = self.group[bucket]
@@ -182,16 +180,14 @@ class Buckets:
         works, self.works = self.works, []
         for work, bucket, flat in works:
             work.wait()
-            _, members, ring, _ = self.plan[bucket]
-            into, sums, later = [], [], []
-            for grad, member in self.written[bucket]:
+            targets, later = [], []
+            for grad, _ in self.written[bucket]:
                 if grad.is_contiguous():
-                    target = grad.view(-1)
+                    targets.append(grad.view(-1))
                 else:  # the sums into a contiguous copy first, then into the strided .grad
-                    target = torch.empty(grad.numel(), dtype=grad.dtype, device=grad.device)
-                    later.append((grad, target))
-                into += _pieces(target, members[member], ring, grad_side=True)
-                sums += _pieces(flat, members[member], ring)
+                    targets.append(torch.empty(grad.numel(), dtype=grad.dtype, device=grad.device))
+                    later.append((grad, targets[-1]))
+            sums, into = _pieces(flat, self.plan[bucket], self.written[bucket], targets)
             if into:
                 torch._foreach_copy_(into, sums)
             for grad, target in later:
@@ -202,21 +198,42 @@ class Buckets:
             grad.copy_(reduced)
 
 
-def _pieces(tensor: torch.Tensor, place: tuple, ring: int, grad_side: bool = False) -> list:
-    """Where a member's elements lie: in the bucket's buffer (``tensor`` the buffer) or in
-    the flattened gradient (``grad_side``), in matching pieces.  Following members: one
-    piece.  In ``ring`` rows: its full chunks as one ``[rows, width]`` piece, and the
+def _pieces(flat: torch.Tensor, planned: tuple, written: list, flat_grads) -> tuple[list, list]:
+    """(pieces of a bucket's buffer, the matching pieces of the flattened gradients) of the
+    ``written`` members, ``flat_grads`` one per member (empty: the buffer's side alone).
+    Following members: one piece each.  In ring rows: a member's full chunks as one
+    ``[rows, width]`` piece (all of its columns where its chunks fill them), and its
     partial last chunk."""
-    offset, numel, _, width = place
+    _, members, ring, _ = planned
+    ours, theirs = [], []
     if not ring:
-        return [tensor] if grad_side else [tensor[offset:offset + numel]]
-    full, rest = divmod(numel, width) if width else (0, 0)
-    if grad_side:
-        pieces = [tensor[:full * width].view(full, width)] if full else []
-        return pieces + [tensor[full * width:]] if rest else pieces
-    rows = tensor.view(ring, -1)
-    pieces = [rows[:full, offset:offset + width]] if full else []
-    return pieces + [rows[full, offset:offset + rest]] if rest else pieces
+        for k, (_, member) in enumerate(written):
+            offset, numel, _, _ = members[member]
+            ours.append(flat[offset:offset + numel])
+            if flat_grads:
+                theirs.append(flat_grads[k])
+        return ours, theirs
+    rows = flat.view(ring, -1)
+    widths = [width for _, _, _, width in members]
+    spare = rows.shape[1] - sum(widths)
+    blocks = rows.split(widths + [spare] if spare else widths, dim=1)  # member -> its columns
+    for k, (_, member) in enumerate(written):
+        _, numel, _, width = members[member]
+        if numel == ring * width:
+            ours.append(blocks[member])
+            if flat_grads:
+                theirs.append(flat_grads[k].view(ring, width))
+            continue
+        full, rest = divmod(numel, width) if width else (0, 0)
+        if full:
+            ours.append(blocks[member][:full])
+            if flat_grads:
+                theirs.append(flat_grads[k][:full * width].view(full, width))
+        if rest:
+            ours.append(blocks[member][full, :rest])
+            if flat_grads:
+                theirs.append(flat_grads[k][full * width:])
+    return ours, theirs
 
 
 def open_buckets(plan: tuple) -> Buckets:
