@@ -23,6 +23,7 @@ import weakref
 
 from torch.autograd.function import BackwardCFunction
 
+from .. import native
 from ..graph import unpacked
 from ..graph.kinds import ACCUMULATE, type_info
 from ..graph.saved import ForeignOwned, SavedTensors, left_to_node
@@ -83,13 +84,17 @@ class Kept:
     tensor.  The graph frees each saved tensor at its last use, so those of the nodes
     still to run are alive when it stops; the unread ones are kept here."""
 
-    __slots__ = ("positions", "objects", "weak", "unread")
+    __slots__ = ("positions", "objects", "weak", "unread", "released")
 
     def __init__(self, inputs: list, positions: Positions):
         self.positions = positions
         self.objects = positions.take_objects(inputs)
         self.weak = list(map(weakref.ref, positions.take_saved(inputs)))
         self.unread = [inputs[p] for p in positions.unread]
+        # Nodes whose saved variables were released before the graph ran, their tensors
+        # left to the graph alone (the session says which): a real run of one of them
+        # gets them back for its call (``with_saved``).
+        self.released = ()
 
     def by_position(self) -> dict:
         """Input position -> hook, node, leaf or retained tensor."""
@@ -156,6 +161,12 @@ class _Runner:
         run = runtime_ops.call_backward if isinstance(node, BackwardCFunction) else runtime_ops.call_node
         if type_info(type(node)).kind is ACCUMULATE:  # a tensor subclass leaf's: it takes the gradient as eager
             run = _SUBCLASS_ACCUMULATION
+        if left_to_node(owner) and i in self.kept.released:
+            # The node's variables were reset; the graph held its tensors until the stop.
+            tensors = iter(self.kept.saved_of(self.call, i))
+            raws = tuple(getattr(node, raw) for raw in type_info(type(node)).raw_saved)
+            values = tuple(next(tensors) if defined else None for defined in owner.mask)
+            return list(native.module().with_saved(raws, values, run, (node, metas, (False,) * len(metas), *grads)))
         return list(run(node, metas, (False,) * len(metas), *grads))
 
     def release_saved(self, i, node):

@@ -523,20 +523,25 @@ class Session:
         if release_now:
             # Traced nodes' saved tensors now live only in `inputs`, so the graph frees
             # each at its last use; opaque nodes still read theirs and are released after.
-            # Where the graph may stop, the nodes run after it need theirs: a tensor left
-            # to its node (HeldByNode) cannot be given back once released.
+            # Where the graph may stop, the nodes run after it get theirs back from what
+            # the graph still holds (run.continuation: a released owner refilled, a node
+            # left its tensors (HeldByNode) run with them); a graph that records history
+            # leaves those to their nodes.
             split = entry.release_split
             if split is not None and split[0] is held:  # a walker's calls share their owners' places
                 early, late = split[1], split[2]
             else:
                 after = entry.release_after
-                early = [i for i in held if i not in after and not (entry.frontiers and left_to_node(owned[i]))]
+                keep = entry.frontiers and call.create_graph
+                early = [i for i in held if i not in after and not (keep and left_to_node(owned[i]))]
                 now = set(early)
                 late = [i for i in held if i not in now]
-                if not entry.frontiers and type(held) is tuple:
+                if not keep and type(held) is tuple:
                     entry.release_split = (held, early, late)
             for i in early:
                 owned[i].release()
+            if kept is not None:
+                kept.released = early
         task = hook_ops.graph_task(call.executed_ids, keep_graph, call.outputs is None, _grad_inputs(call)) \
             if entry.runs_python else None
         # The engine's grad mode for a backward: on only when it records history.  Set and
