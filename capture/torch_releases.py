@@ -49,6 +49,12 @@ UNUSED_INPUT_ERROR_NAMES_INDEX = RELEASE >= (2, 13)
 # 2.11 and 2.12: "output 0 of ExpBackward0" (the node).
 MODIFIED_OUTPUT_NAMES_FORWARD_OP = RELEASE >= (2, 13)
 
+# Where gloo's ring all-reduce starts each chunk's sum (``runtime/gloo_ring.py``) is
+# gloo's, bundled with torch: checked against gloo on every tested release.  On
+# another, the Python reducer keeps one all-reduce per parameter over more than two
+# ranks rather than trust a layout that would not be bitwise.
+GLOO_RING_ORDER_KNOWN = TESTED_RELEASE
+
 # 2.11's CUDA build on a machine without a GPU: the first FakeTensorMode entered inside
 # a capture, once another thread has started (the self-check's does), crashes the
 # process (SIGSEGV in c10::impl::ensureCUDADeviceGuardSet, which that entry calls);

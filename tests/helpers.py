@@ -35,6 +35,20 @@ class Double(torch.autograd.Function):
         return grad * 2
 
 
+class MaybeNone(torch.autograd.Function):
+    """Identity whose backward returns None while ``drop`` is set: a graph traced with a
+    gradient there stops at run time and the rest of the backward runs node by node."""
+    drop = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None if MaybeNone.drop else grad
+
+
 def autograd_nodes(root) -> set:
     """Every autograd node reachable from ``root`` (a node)."""
     seen, stack = set(), [root]

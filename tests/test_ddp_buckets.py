@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import backward, case_backend, gloo_group, record_cases, spawn_ranks
+from helpers import MaybeNone, backward, case_backend, gloo_group, record_cases, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -32,20 +32,6 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.head(self.encoder(x))
-
-
-class MaybeNone(torch.autograd.Function):
-    """Identity whose backward returns None while ``drop`` is set: the graph, traced with a
-    gradient there, stops at run time and the rest of the backward runs node by node."""
-    drop = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None if MaybeNone.drop else grad
 
 
 class Branches(nn.Module):
@@ -336,3 +322,22 @@ def test_more_ranks_buckets_keep_each_parameters_order(world):
         for what, got in results[("ring_layout", rank)].items():
             assert got["covered"] and got["differ"] == [] and got.get("rule_differs", []) == [], (rank, what, got)
             assert got["following_differ"], (rank, what, got)  # the order does matter
+
+
+def test_ring_layout_only_where_the_gloo_order_was_checked(monkeypatch):
+    """On a torch release the suite has not checked gloo's ring order on, a bucket over
+    more than two ranks is not laid out by it: each parameter keeps its own all-reduce."""
+    from types import SimpleNamespace
+
+    from gradfx.capture import torch_releases
+    from gradfx.capture.runtime import gloo_ring
+
+    class Gloo:
+        pass
+
+    monkeypatch.setattr(dist, "ProcessGroupGloo", Gloo)
+    group = SimpleNamespace(size=lambda: 3, _get_backend=lambda device: Gloo())
+    assert gloo_ring.ranks_of(group, torch.device("cpu")) == (3 if torch_releases.TESTED_RELEASE else 0)
+    assert gloo_ring.ranks_of(group, torch.device("meta")) == 0
+    monkeypatch.setattr(torch_releases, "GLOO_RING_ORDER_KNOWN", False)
+    assert gloo_ring.ranks_of(group, torch.device("cpu")) == 0

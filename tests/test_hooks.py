@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import gradfx
-from helpers import run_both, snap as _snap
+from helpers import MaybeNone, run_both, snap as _snap
 
 
 @pytest.fixture(autouse=True)
@@ -122,19 +122,6 @@ def test_post_accumulate_grad_hooks_optimizer_in_backward():
     run_both(build)
 
 
-class _NoneOnOddSteps(torch.autograd.Function):
-    """Identity whose backward returns None while ``drop`` is set."""
-    drop = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None if _NoneOnOddSteps.drop else grad
-
-
 @pytest.mark.parametrize("when", ["every_step", "some_steps"])
 def test_post_accumulate_grad_hooks_run_where_nothing_is_accumulated(when):
     """AccumulateGrad calls a leaf's post-accumulate-grad hooks even when its gradient is
@@ -151,10 +138,10 @@ def test_post_accumulate_grad_hooks_run_where_nothing_is_accumulated(when):
         step_no = [0]
 
         def step():
-            _NoneOnOddSteps.drop = when == "every_step" or step_no[0] % 2 == 1
+            MaybeNone.drop = when == "every_step" or step_no[0] % 2 == 1
             step_no[0] += 1
             hidden = model[1](model[0](torch.randn(4, 6)))
-            out = model[4](model[3](model[2](_NoneOnOddSteps.apply(hidden))))
+            out = model[4](model[3](model[2](MaybeNone.apply(hidden))))
             loss = out.pow(2).sum() + (frozen * 2).sum()
             frozen.requires_grad_(False)  # its accumulator still runs, and calls its hook
             try:

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import torch
 
+from .. import torch_releases
+
 _MAX_SEGMENT_BYTES = 1 << 20
 
 
 def ranks_of(group, device: torch.device) -> int:
     """The ranks of ``group`` when an all-reduce of a tensor on ``device`` runs gloo's ring
-    over more than two of them; else 0 (two ranks add ``a + b`` in any order, and other
-    collectives' orders are not modelled here)."""
-    if device.type != "cpu":
+    over more than two of them; else 0 (two ranks add ``a + b`` in any order, other
+    collectives' orders are not modelled here, nor gloo's on an untested torch)."""
+    if device.type != "cpu" or not torch_releases.GLOO_RING_ORDER_KNOWN:
         return 0
     import torch.distributed as dist
     try:
