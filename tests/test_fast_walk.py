@@ -6,6 +6,7 @@ compiled part is not loaded).
 """
 
 import gc
+import inspect
 import re
 
 import pytest
@@ -184,6 +185,9 @@ def _scenario(name, log):
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
     params = list(model.parameters())
     step_no = [0]
+    if name == "post_accumulate_hooks":
+        for k, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda p, k=k: log.append(("post_acc", k, snap(p.grad))))
     if name == "module_hooks":
         model[2].register_full_backward_hook(lambda m, gi, go: log.append(("full", snap(gi), snap(go))))
         model[0].register_full_backward_pre_hook(lambda m, go: log.append(("pre", snap(go))))
@@ -203,6 +207,8 @@ def _scenario(name, log):
             h.register_hook(lambda g: log.append(("h", snap(g))))
             if k % 2:  # toggled between steps: a new structure, then back
                 h.retain_grad()
+        if name == "post_accumulate_hooks" and k % 2:  # one more on odd steps: another structure, then back
+            handle = params[0].register_post_accumulate_grad_hook(lambda p: log.append(("extra", snap(p.grad))))
         if name == "node_hooks":
             h.grad_fn.register_prehook(lambda go: log.append(("node pre", snap(go))))
             h.grad_fn.next_functions[0][0].register_hook(lambda gi, go: log.append(("node post", snap(gi))))
@@ -220,23 +226,73 @@ def _scenario(name, log):
             out.sum().backward()
         if name == "tensor_hooks" and k % 2:
             log.append(("retained", snap(h.grad)))
+        if name == "post_accumulate_hooks" and k % 2:
+            handle.remove()
     return params, step
 
 
-@pytest.mark.parametrize("name", ["module_hooks", "tensor_hooks", "node_hooks", "several_roots", "grad_inputs",
+@pytest.mark.parametrize("name", ["module_hooks", "tensor_hooks", "post_accumulate_hooks", "node_hooks",
+                                  "several_roots", "grad_inputs",
                                   "backward_inputs", "opaque_function", "checkpoint", "save_on_cpu"])
 def test_walker_taken_on_every_kind_of_graph(name):
     # Toggled hooks: a second structure.  An opaque Function's None: the first backward
     # stops, the second captures the graph traced with that None.
-    captures = 2 if name in ("tensor_hooks", "opaque_function") else 1
+    captures = 2 if name in ("tensor_hooks", "post_accumulate_hooks", "opaque_function") else 1
     if name in ("checkpoint", "save_on_cpu") and native.module() is not None:
         captures = 2  # the first backward learns how the hooks unpack, the second traces (graph.unpacked)
     with _Taken() as taken:
         run_both(lambda log: _scenario(name, log), iterations=5, expect_captures=captures, strict=True)
     # Every cache hit went through the generated walker (3 steps of 4 for toggled hooks;
     # the walker found the graph of the step that captured the second one too).
-    assert taken.count == (3 if name == "tensor_hooks" else 4)
+    assert taken.count == (3 if name in ("tensor_hooks", "post_accumulate_hooks") else 4)
 
+
+
+def _post_accumulate_model(log):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    for k, p in enumerate(model.parameters()):
+        p.register_post_accumulate_grad_hook(lambda p, k=k: log.append(("post_acc", k, snap(p.grad))))
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: log.append(("second", snap(p.grad))))
+    return model
+
+
+def test_post_accumulate_hooks_are_walked_in_one_call(request):
+    """Leaves whose only hooks are post-accumulate-grad hooks (an optimizer in the
+    backward, DDP's Python reducer): the one C++ call reads their dicts and returns the
+    callables the lines return, in registration order, and hands another count of them
+    back to the lines (which find another structure)."""
+    log = []
+    model = _post_accumulate_model(log)
+    with gradfx.compiled_autograd():
+        model(torch.randn(3, 6)).sum().backward()
+    walker = _walker()
+    compiled = request.node.callspec.params["fresh"] == "compiled reads"
+    assert hasattr(walker, "program") == compiled
+    def walked(walk):
+        return walk((model(torch.randn(3, 6)).sum(),), (torch.ones(()),), (), True)
+
+    for round_ in ("as captured", "one more hook", "removed again"):
+        if round_ == "one more hook":
+            extra = model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+        if round_ == "removed again":
+            extra.remove()  # the dict keeps its other entries: the captured count again
+        expected = round_ != "one more hook"
+        assert (walked(walker.lines) is not None) == expected
+        if compiled:
+            assert (walked(lambda *a: native.module().program(*a[:2], walker.program)) is not None) == expected
+        loss = model(torch.randn(3, 6)).sum()
+        found = walker((loss,), (torch.ones(()),), (), True)
+        assert (found is not None) == expected
+        if not expected:
+            continue
+        generic = walk_backward((loss,), (torch.ones(()),), (), True)
+        _same_inputs(found[2][1:], generic.inputs[1:], generic.nodes)
+        hooks_found = [x for x in found[2] if inspect.isfunction(x)]
+        registered = [h for p in model.parameters() for h in p._post_accumulate_grad_hooks.values()]
+        assert sorted(map(id, hooks_found)) == sorted(map(id, registered))
+        first, second = model[0].weight._post_accumulate_grad_hooks.values()
+        assert hooks_found.index(first) + 1 == hooks_found.index(second)  # registration order
 
 # One graph structure, differentiated in every way a caller can: the walker generated
 # for one kind of call must never answer another (a backward reusing an autograd.grad

@@ -8,8 +8,10 @@ same reads and comparisons, in the same order, run as one C++ call over a plan b
 here from the same specifications (``kinds``): no Python line per node, no bytecode
 to fetch per backward.  The call answers what the lines would return, or None; then
 the lines run (they decide, and the call took nothing over).  Where hooks may be
-live the lines run directly.  Leaves whose accumulators have C++ post-hooks alone
-(DistributedDataParallel's reducer) are walked here too.  The call makes no Python
+live the lines run directly.  Leaves whose only hooks are post-accumulate-grad hooks
+(an optimizer in the backward, DDP's Python reducer) or C++ post-hooks on their
+accumulators (DDP's C++ reducer) are walked here too: the call reads the hooks' dict
+itself and returns its callables as the lines do.  The call makes no Python
 object per node (program.cpp says how): a node's own input is None in what it returns,
 and the session gives a graph the node objects it reads.
 
@@ -20,14 +22,25 @@ other (a nested size layout, a value keyed by ``value_key``) keeps its lines alo
 from __future__ import annotations
 
 from .. import native
-from .kinds import (ACCUMULATE, NATIVE_POST_ONLY, TRACED, AccumulateKind, TracedKind, _tensor_expected,
+from .kinds import (ACCUMULATE, TRACED, AccumulateKind, HookSpec, TracedKind, _tensor_expected,
                     flatten_sizes, kind_of, native_offsets)
 from .saved import ForeignOwned
 
 # Step and input codes of program.cpp
 METAS, VALUE, SAVED, LEAF, GRAD, FOREIGN, CPP_HOOKS = range(7)
 SIZE, SIZES, NONE, EQUAL = range(4)
-GRAD_INPUT, SAVED_INPUT, NODE_INPUT, LEAF_INPUT = range(4)
+GRAD_INPUT, SAVED_INPUT, NODE_INPUT, LEAF_INPUT, HOOK_INPUT = range(5)
+
+
+def _post_accumulate_only(spec) -> int | None:
+    """How many post-accumulate-grad hooks a node's hooks are, with or without C++
+    post-hooks (DDP's reducers: the Python one's hooks, the C++ one's); None for any other
+    hook, which the lines read."""
+    if spec is None:
+        return 0
+    if spec.key() == HookSpec(post_accumulate=spec.post_accumulate, native_post=spec.native_post).key():
+        return len(spec.post_accumulate)
+    return None
 
 
 def plan(call, structure_plan: tuple):
@@ -46,8 +59,9 @@ def plan(call, structure_plan: tuple):
     for i, node in enumerate(call.nodes):
         rec = records[i]
         foreign = type(call.owned[i]) is ForeignOwned  # walked as OPAQUE: the user's hooks hold its tensors
-        native_post = rec.hooks is not None and rec.hooks.key() == NATIVE_POST_ONLY
-        if not rec.runs or (rec.hooks is not None and not native_post) or rec.subclass is not None or \
+        post_accumulate = _post_accumulate_only(rec.hooks)
+        native_post = rec.hooks is not None and rec.hooks.native_post
+        if not rec.runs or post_accumulate is None or rec.subclass is not None or \
                 (rec.kind not in (ACCUMULATE, TRACED) and not foreign):
             return None
         spec, info = kind_of(node)
@@ -56,15 +70,18 @@ def plan(call, structure_plan: tuple):
             if v.device.type == "cuda":
                 return None
             steps.append((LEAF, i, ((type(v), v.dim(), v.dtype, v.layout, v.device, v.is_contiguous()),
-                                    v.requires_grad, v.grad_dtype)))
+                                    v.requires_grad, v.grad_dtype), post_accumulate))
             # C++ post-hooks (DDP's reducer) where the capture found them and none elsewhere:
             # the lines ask only while torch.distributed is initialized, this check always.
             steps.append((CPP_HOOKS, i, native_post))
             layout.append((LEAF_INPUT, i, 0))
-            if native_post:  # the hook call's node, as walk_hooks adds it
+            # the hooks' inputs as walk_hooks adds them (hooks.Found.inputs): the
+            # post-accumulate-grad hooks, then the node their calls run as
+            layout += [(HOOK_INPUT, i, j) for j in range(post_accumulate)]
+            if rec.hooks is not None:
                 layout.append((NODE_INPUT, i, 0))
             continue
-        if not isinstance(spec, TracedKind) or info.kind is not TRACED or info.hidden:
+        if rec.hooks is not None or not isinstance(spec, TracedKind) or info.kind is not TRACED or info.hidden:
             return None
         metas = node._input_metadata
         if any(m.device.type == "cuda" for m in metas):

@@ -1,5 +1,6 @@
-// A cache-hit walk in one C++ call, for structures of builtin nodes and leaves alone
-// (capture/graph/walk_program.py builds the plan and says which): the structure, then
+// A cache-hit walk in one C++ call, for structures of builtin nodes and leaves alone,
+// leaves with post-accumulate-grad hooks among them (capture/graph/walk_program.py builds
+// the plan and says which): the structure, then
 // the same reads and checks as the walker's generated Python lines, in their order, then
 // the inputs, owners and sizes those lines return (the nodes as a sequence that makes
 // each node's Python object when asked for; a node's own input None).  None where the
@@ -32,7 +33,7 @@ using gradfx_native::TensorSpec;
 
 enum Kind : long { kMetas = 0, kValue = 1, kSaved = 2, kLeaf = 3, kGrad = 4, kForeign = 5, kCppHooks = 6 };
 enum Value : long { kSize = 0, kSizes = 1, kNone = 2, kEqual = 3 };
-enum Input : long { kGradInput = 0, kSavedInput = 1, kNodeInput = 2, kLeafInput = 3 };
+enum Input : long { kGradInput = 0, kSavedInput = 1, kNodeInput = 2, kLeafInput = 3, kHookInput = 4 };
 // How a kEqual value compares: the forms emit_values' ``type(x) is T and x == C`` takes
 // most, read without building C; any other C through Python's ==.
 enum Equal : int8_t { kInt, kBool, kInts, kObject };
@@ -44,7 +45,7 @@ struct Step {
   int32_t i;             // the node (kGrad: the root)
   int32_t begin = 0;     // into the plan's specs or ints, by kind
   int32_t count = 0;
-  int64_t number = 0;    // kSizes: the length; kInt: C
+  int64_t number = 0;    // kSizes: the length; kInt: C; kLeaf: its post-accumulate-grad hooks
   PyObject* descriptor = nullptr;  // kValue: the getter
   PyObject* proxy = nullptr;       // kValue: the object it is called on (``proxy_for``)
   PyObject* type = nullptr;        // kEqual: T
@@ -327,10 +328,11 @@ Program* parse(PyObject* plan, PyObject* nodes) {
         step.count = static_cast<int32_t>(p->saved.size()) - step.begin;
         break;
       }
-      case kLeaf:
+      case kLeaf:  // (expected[, post-accumulate-grad hooks the leaf has])
         step.begin = static_cast<int32_t>(p->leaves.size());
         p->leaves.emplace_back();
-        ok = gradfx_native::parse_leaf(arg, &p->leaves.back());
+        step.number = PyTuple_GET_SIZE(item) > 3 ? at(item, 3) : 0;
+        ok = step.number >= 0 && gradfx_native::parse_leaf(arg, &p->leaves.back());
         break;
       case kCppHooks:  // (bool): whether the accumulator has C++ post-hooks (DDP's reducer)
         step.number = PyObject_IsTrue(arg);
@@ -362,6 +364,16 @@ Program* parse(PyObject* plan, PyObject* nodes) {
     }
     p->layout.push_back({static_cast<int32_t>(at(ref, 0)), static_cast<int32_t>(at(ref, 1)),
                          static_cast<int32_t>(at(ref, 2))});
+    const auto& r = p->layout.back();
+    if (r[0] == kHookInput) {  // a hook of a leaf whose step reads that many
+      bool read = false;
+      for (const Step& step : p->steps) {
+        read = read || (step.kind == kLeaf && step.i == r[1] && r[2] >= 0 && r[2] < step.number);
+      }
+      if (!read) {
+        return bad();
+      }
+    }
   }
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(held); ++k) {
     PyObject* h = PyTuple_GET_ITEM(held, k);
@@ -479,12 +491,38 @@ bool no_tensor_hooks(PyObject* leaf) {
   return true;
 }
 
+// A leaf with ``count`` post-accumulate-grad hooks and no other tensor hook, as the lines'
+// ``collect`` finds it: its hooks' callables in registration order (the dict's), else
+// None where the lines decide (another count, tensor pre-hooks, a type whose attributes
+// are not its fields, a dict whose values cannot be listed).
+py::object post_accumulate_hooks(PyObject* leaf, int64_t count) {
+  if (!THPVariable_CheckExact(leaf)) {
+    return py::none();
+  }
+  const auto* v = reinterpret_cast<THPVariable*>(leaf);
+  PyObject* hooks = v->post_accumulate_grad_hooks;
+  if (v->backward_hooks != nullptr || hooks == nullptr || !PyDict_Check(hooks) || PyDict_Size(hooks) != count) {
+    return py::none();
+  }
+  static PyObject* values_name = PyUnicode_InternFromString("values");
+  PyObject* values = PyObject_CallMethodNoArgs(hooks, values_name);  // an OrderedDict's own order
+  PyObject* listed = values == nullptr ? nullptr : PySequence_List(values);
+  Py_XDECREF(values);
+  if (listed == nullptr || PyList_GET_SIZE(listed) != count) {
+    PyErr_Clear();
+    Py_XDECREF(listed);
+    return py::none();
+  }
+  return py::reinterpret_steal<py::object>(listed);
+}
+
 // The plan's tuple, as walk_program.plan builds it: (structure plan, steps, inputs, held, n):
 //   steps   in the lines' order: (kGrad, k, expected), (kMetas, i, expected),
-//           (kValue, i, descriptor, mode, arg), (kSaved, i, spec), (kLeaf, i, expected),
-//           (kForeign, i, offsets), (kCppHooks, i, has C++ post-hooks);
+//           (kValue, i, descriptor, mode, arg), (kSaved, i, spec),
+//           (kLeaf, i, expected[, post-accumulate-grad hooks]), (kForeign, i, offsets),
+//           (kCppHooks, i, has C++ post-hooks);
 //   inputs  the returned inputs: (kGradInput, k, 0), (kSavedInput, i, j), (kNodeInput, i, 0),
-//           (kLeafInput, i, 0);
+//           (kLeafInput, i, 0), (kHookInput, i, j): leaf i's post-accumulate-grad hook j;
 //   held    (i, offsets, mask) per node whose saved tensors stay with it (HeldByNode).
 // Returns (nodes as a Walked sequence, owned, inputs, sizes, sequence numbers), or None.
 // A node's own entry among the inputs is None: a graph of builtin nodes reads none (the
@@ -501,7 +539,7 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
 
   std::vector<int64_t> sizes;
   sizes.reserve(256);
-  std::vector<py::object> saved(p.n), leaves(p.n);
+  std::vector<py::object> saved(p.n), leaves(p.n), hooks(p.n);
   for (const Step& step : p.steps) {
     const int32_t i = step.i;
     bool ok = false;
@@ -547,7 +585,15 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
           return nullptr;
         }
         leaves[i] = py::reinterpret_steal<py::object>(v);
-        ok = v != Py_None && no_tensor_hooks(v);
+        if (v == Py_None) {
+          break;
+        }
+        if (step.number == 0) {
+          ok = no_tensor_hooks(v);
+          break;
+        }
+        hooks[i] = post_accumulate_hooks(v, step.number);
+        ok = !hooks[i].is_none();
         break;
       }
     }
@@ -586,6 +632,9 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
         break;
       case kNodeInput:
         item = Py_None;
+        break;
+      case kHookInput:
+        item = PyList_GET_ITEM(hooks[i].ptr(), ref[2]);
         break;
       default:
         item = leaves[i].ptr();
