@@ -132,3 +132,23 @@ def test_under_anomaly_mode_the_check_waits_for_a_later_capture(fresh_check):
             loss.backward()
     assert self_check.verdict is None
     assert self_check.refusal() is None and self_check.verdict == ""
+
+
+def test_the_post_accumulate_probe_walks_in_one_call(fresh_check, monkeypatch):
+    """The probe of post-accumulate-grad hooks reaches the one-call walk (program.cpp reads
+    the leaves' hook dicts there), and a wrong read of them fails the check."""
+    from gradfx.capture import native
+    from gradfx.capture.graph import walk_program
+    if native.module() is None:
+        pytest.skip(f"no compiled part: {native.reason()}")
+    answered = []
+    real = native.module().program
+    monkeypatch.setattr(native.module(), "program",
+                        lambda *args: (lambda found: (answered.append(found is not None), found)[1])(real(*args)))
+    assert self_check.refusal() is None
+    assert sum(answered) >= 2  # the probe's two hits, each walked in one call
+
+    monkeypatch.setattr(self_check, "verdict", None)
+    gradfx.reset()
+    monkeypatch.setattr(walk_program, "HOOK_INPUT", walk_program.LEAF_INPUT)  # the leaf where its hooks go
+    assert "probe 'post-accumulate-grad hooks'" in (self_check.refusal() or "")

@@ -211,6 +211,20 @@ def _probe_hooks(run) -> list:
     return logged + [("x.grad", x.grad), ("w.grad", w.grad), ("y.grad", y.grad), ("fourth backward", again)]
 
 
+def _probe_post_accumulate_hooks(run) -> list:
+    """Leaves whose only hooks are post-accumulate-grad hooks, two on one of them: after
+    the capture, hits walk them in one C++ call (walk_program), which reads their dicts."""
+    events = []
+    a = torch.tensor([0.5, -1.5], requires_grad=True)
+    b = torch.tensor([2.0, 0.25], requires_grad=True)
+    a.register_post_accumulate_grad_hook(lambda t: events.append(("first hook of a", t.grad.clone())))
+    a.register_post_accumulate_grad_hook(lambda t: events.append(("second hook of a", t.grad.clone())))
+    b.register_post_accumulate_grad_hook(lambda t: events.append(("hook of b", t.grad.clone())))
+    for _ in range(3):
+        run(lambda: (a * b).exp().sum().backward())
+    return events + [("a.grad", a.grad), ("b.grad", b.grad)]
+
+
 def _probe_version_check(run) -> list:
     """A backward through a saved tensor modified in place raises, nothing accumulated."""
     c = torch.tensor([1.0, 2.0], requires_grad=True)
@@ -220,4 +234,5 @@ def _probe_version_check(run) -> list:
     return [("in-place modified", _raises(lambda: run(loss.backward))), ("c.grad", c.grad)]
 
 
-PROBES = (("hooks", _probe_hooks), ("in-place version check", _probe_version_check))
+PROBES = (("hooks", _probe_hooks), ("post-accumulate-grad hooks", _probe_post_accumulate_hooks),
+          ("in-place version check", _probe_version_check))
