@@ -21,6 +21,8 @@ def _compare_steps(rank, eager_model, gfx_model, full, steps=3) -> dict:
     """Train both models ``steps`` steps, the second under gradfx; compare every grad."""
     import gradfx  # in the spawned process, before the first forward registers hooks
     from gradfx.capture.graph import fast_walk
+    from gradfx.capture.run import self_check
+    assert self_check.refusal() is None  # now: its probes' cache hits take walkers of their own
     out = {"equal": True, "fallback_warned": False, "walker_taken": 0}
     instantiate = fast_walk.instantiate
 
