@@ -186,8 +186,7 @@ def _scenario(name, log):
     params = list(model.parameters())
     step_no = [0]
     if name == "post_accumulate_hooks":
-        for k, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda p, k=k: log.append(("post_acc", k, snap(p.grad))))
+        _log_post_accumulate(params, log)
     if name == "module_hooks":
         model[2].register_full_backward_hook(lambda m, gi, go: log.append(("full", snap(gi), snap(go))))
         model[0].register_full_backward_pre_hook(lambda m, go: log.append(("pre", snap(go))))
@@ -247,14 +246,9 @@ def test_walker_taken_on_every_kind_of_graph(name):
     assert taken.count == (3 if name in ("tensor_hooks", "post_accumulate_hooks") else 4)
 
 
-
-def _post_accumulate_model(log):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
-    for k, p in enumerate(model.parameters()):
+def _log_post_accumulate(params, log):
+    for k, p in enumerate(params):
         p.register_post_accumulate_grad_hook(lambda p, k=k: log.append(("post_acc", k, snap(p.grad))))
-    model[0].weight.register_post_accumulate_grad_hook(lambda p: log.append(("second", snap(p.grad))))
-    return model
 
 
 def test_post_accumulate_hooks_are_walked_in_one_call(request):
@@ -263,12 +257,16 @@ def test_post_accumulate_hooks_are_walked_in_one_call(request):
     callables the lines return, in registration order, and hands another count of them
     back to the lines (which find another structure)."""
     log = []
-    model = _post_accumulate_model(log)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    _log_post_accumulate(model.parameters(), log)
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: log.append(("second", snap(p.grad))))
     with gradfx.compiled_autograd():
         model(torch.randn(3, 6)).sum().backward()
     walker = _walker()
     compiled = request.node.callspec.params["fresh"] == "compiled reads"
     assert hasattr(walker, "program") == compiled
+
     def walked(walk):
         return walk((model(torch.randn(3, 6)).sum(),), (torch.ones(()),), (), True)
 
@@ -293,6 +291,7 @@ def test_post_accumulate_hooks_are_walked_in_one_call(request):
         assert sorted(map(id, hooks_found)) == sorted(map(id, registered))
         first, second = model[0].weight._post_accumulate_grad_hooks.values()
         assert hooks_found.index(first) + 1 == hooks_found.index(second)  # registration order
+
 
 # One graph structure, differentiated in every way a caller can: the walker generated
 # for one kind of call must never answer another (a backward reusing an autograd.grad

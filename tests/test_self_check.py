@@ -145,8 +145,12 @@ def test_the_post_accumulate_probe_walks_in_one_call(fresh_check, monkeypatch):
         monkeypatch.setattr(hooks, registry, {})  # would keep every walk on the lines
     answered = []
     real = native.module().program
-    monkeypatch.setattr(native.module(), "program",
-                        lambda *args: (lambda found: (answered.append(found is not None), found)[1])(real(*args)))
+
+    def program(*args):
+        found = real(*args)
+        answered.append(found is not None)
+        return found
+    monkeypatch.setattr(native.module(), "program", program)
     assert self_check.refusal() is None
     assert sum(answered) >= 2  # the probe's two hits, each walked in one call
 

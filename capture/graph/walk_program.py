@@ -22,7 +22,7 @@ other (a nested size layout, a value keyed by ``value_key``) keeps its lines alo
 from __future__ import annotations
 
 from .. import native
-from .kinds import (ACCUMULATE, TRACED, AccumulateKind, HookSpec, TracedKind, _tensor_expected,
+from .kinds import (ACCUMULATE, TRACED, AccumulateKind, TracedKind, _tensor_expected,
                     flatten_sizes, kind_of, native_offsets)
 from .saved import ForeignOwned
 
@@ -38,9 +38,9 @@ def _post_accumulate_only(spec) -> int | None:
     hook, which the lines read."""
     if spec is None:
         return 0
-    if spec.key() == HookSpec(post_accumulate=spec.post_accumulate, native_post=spec.native_post).key():
-        return len(spec.post_accumulate)
-    return None
+    if spec.tensor_pre or spec.retain or spec.pre or spec.post:
+        return None
+    return len(spec.post_accumulate)
 
 
 def plan(call, structure_plan: tuple):
