@@ -19,7 +19,8 @@ DistributedDataParallel's reducer (an accumulator's post-hooks, all C++: the tra
 marks them) that do not complete one of its buckets: the reducer copies the
 parameter's ``.grad`` into its bucket and touches no value of the graph; the call
 that completes a bucket starts its all-reduce and stays a cut, where eager starts it
-(:func:`_reducer_calls_moved`).  Without this, DDP's hooks cut a backward into a region
+(:func:`_reducer_calls_moved`).  The Python reducer's bucketed calls
+(``reorder.bucket_allreduces``) move on the same terms, where its hook runs no user code.  Without this, DDP's hooks cut a backward into a region
 per parameter.  Pure ops never move
 across a Python call: a hook or a custom backward may change a tensor in place, and
 what else reads it (through a view too) is not in the graph's edges.  Where the graph
@@ -44,7 +45,7 @@ from torch.utils import _pytree as pytree
 from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
 from ..capture.runtime import counters, ddp_buckets
-from ..capture.trace.fx_kinds import CPP_POST_HOOKS, has_side_effect, kind_of, shares_storage
+from ..capture.trace.fx_kinds import CPP_POST_HOOKS, REDUCER_ALONE, has_side_effect, kind_of, shares_storage
 from ..reorder.memory import free_inputs_early
 from . import repeated_blocks
 
@@ -113,16 +114,26 @@ def partition(graph: fx.Graph) -> list[tuple[bool, list[fx.Node]]]:
 
 
 def _reducer_calls_moved(calls: list, pure: set) -> set:
-    """The reducer calls (``CPP_POST_HOOKS``) that may run after their region, with its
-    accumulations, in their order: those that do not complete a bucket, where nothing up to
-    the next cut reads their gradient or a view of it (a C++ hook is passed its gradient)."""
-    marked = [n for n in calls if n.meta.get(CPP_POST_HOOKS)]
-    if not marked:
-        return set()
-    ends = _bucket_ends(marked)
+    """The reducer calls that may run after their region, with its accumulations, in their
+    order: those that do not complete a bucket.
+
+    * The C++ reducer's (``CPP_POST_HOOKS``), where nothing up to the next cut reads their
+      gradient or a view of it (a C++ hook is passed its gradient).  An idle C++ reducer's
+      (DDP in Python-reducer mode: its hooks return at once) complete nothing.
+    * The Python reducer's, bucketed (``ddp_buckets.ready``), where the hook runs no user
+      code (``REDUCER_ALONE``, keyed): such a call reads its parameter's ``.grad``, which
+      only it and the accumulation before it touch, and no value of the graph."""
+    cpp = [n for n in calls if n.meta.get(CPP_POST_HOOKS)]
+    python = {n for n in calls if n.target is ddp_buckets.ready and n.meta.get(REDUCER_ALONE)
+              and not _completes_bucket(n)}
+    if not cpp:
+        return python
+    ends = _bucket_ends([n for n in cpp if not n.meta.get("gradfx_idle_reducer")])
     moved = set()
     read: set = set()  # what the nodes after this one read, up to the next cut
     for node in reversed(calls):  # one pass from the end: each call sees what follows it
+        if node in python:
+            continue
         if node in ends or not (node in pure or kind_of(node) == "accumulate" or node.meta.get(CPP_POST_HOOKS)):
             read = set()
         elif node.meta.get(CPP_POST_HOOKS):
@@ -130,7 +141,14 @@ def _reducer_calls_moved(calls: list, pure: set) -> set:
                 moved.add(node)
         else:
             read.update(node.all_input_nodes)
-    return moved
+    return moved | python
+
+
+def _completes_bucket(ready: fx.Node) -> bool:
+    """Is this ``ddp_buckets.ready`` call its bucket's last member (it starts the all-reduce)?"""
+    state, bucket, member = ready.args[:3]
+    _, members, _, _ = state.args[0][bucket]
+    return member == len(members) - 1
 
 
 def _bucket_ends(marked: list) -> set:

@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.runtime import ddp_buckets, gloo_ring, hook_ops, runtime_ops
+from ..capture.trace.fx_kinds import REDUCER_ALONE
 
 _ACCUMULATIONS = (runtime_ops.accumulate_grad, runtime_ops.accumulate_grad_unchecked,
                   runtime_ops.accumulate_grad_create_graph)
@@ -117,7 +118,8 @@ def _bucket(graph: fx.Graph, members: list, before: fx.Node, first: list) -> Non
         slots.append((bucket, len(planned[bucket])))
         planned[bucket].append(node.meta["gradfx_allreduce"])
     plan = tuple(_layout(each) for each in planned)
-    with graph.inserting_before(members[0]):
+    # at the graph's start: a call that reads nothing, which would cut a compiled region
+    with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
         state = graph.call_function(ddp_buckets.open_buckets, (plan,))
     _stamp(state, members[0])
     for node, (bucket, k) in zip(members, slots):
@@ -125,7 +127,8 @@ def _bucket(graph: fx.Graph, members: list, before: fx.Node, first: list) -> Non
         with graph.inserting_before(node):
             ready = graph.call_function(ddp_buckets.ready, (state, bucket, k, hook, variable, running))
         _stamp(ready, node)
-        ready.meta["gradfx_allreduce"] = node.meta["gradfx_allreduce"]
+        for key in ("gradfx_allreduce", REDUCER_ALONE):
+            ready.meta[key] = node.meta.get(key, False)
         graph.erase_node(node)
     with graph.inserting_before(before):
         done = graph.call_function(ddp_buckets.finish, (state,))

@@ -10,6 +10,9 @@ gradfx, and on every step and rank:
   three and four the bucket is laid out in gloo's ring order (``gloo_ring``), whose rule
   is checked on its own against gloo's all-reduce of each tensor alone;
 * no fallback warning (the block is strict about it).
+Under a compiling backend, the calls that complete no bucket run after their region and
+the call completing a bucket cuts it (``PIECES``), while no comm hook makes DDP's hook
+run user code; one registered later changes the structure.
 """
 
 
@@ -63,14 +66,31 @@ class Convs(nn.Module):
         return self.head(self.second(torch.relu(self.first(images))).mean((2, 3)))
 
 
+class Wide(nn.Module):
+    """Two 1 MiB layers: DDP's default caps (1 MiB first, 25 MiB after) make two buckets.
+    Matrix products alone: ``aot_eager``'s decompositions compute them as eager does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 512)
+        self.b = nn.Linear(512, 512)
+        self.c = nn.Linear(512, 4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+MODELS = {"net": Net, "branches": Branches, "convs": Convs, "wide": Wide}
+
+
 def _build(case, seen):
     import torch._inductor.config as inductor_config
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     saved = (inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size)
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
-        module = Branches() if case.get("stop") else Convs() if case.get("convs") else Net()
-        if case.get("convs"):
+        module = MODELS[case.get("model", "net")]()
+        if case.get("model") == "convs":
             module = module.to(memory_format=torch.channels_last)
         model = DDP(module, **case.get("ddp", {}))
     inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size = saved
@@ -82,13 +102,17 @@ def _build(case, seen):
             seen.append([None if q.grad is None else q.grad.clone() for q in params])
         model.module.encoder.linear1.weight.register_post_accumulate_grad_hook(look)
     if case.get("comm_hook"):
-        def mean(state, grad_and_param):  # the Python reducer hands a comm hook (grad, param)
-            grad, _ = grad_and_param
-            seen.append(grad.clone())
-            dist.all_reduce(grad)
-            grad.div_(dist.get_world_size())
-        model._comm_hooks.append((mean, None))  # what register_comm_hook does in this mode
+        _add_comm_hook(model, seen)
     return model
+
+
+def _add_comm_hook(model, seen):
+    def mean(state, grad_and_param):  # the Python reducer hands a comm hook (grad, param)
+        grad, _ = grad_and_param
+        seen.append(grad.clone())
+        dist.all_reduce(grad)
+        grad.div_(dist.get_world_size())
+    model._comm_hooks.append((mean, None))  # what register_comm_hook does in this mode
 
 
 class _Counted:
@@ -115,12 +139,23 @@ class _Counted:
 
 def _run_case(rank, case):
     import gradfx
+    from gradfx.backends import builtin
     backend = case_backend(case)
     runs = {}
+    pieces = []  # per graph a split backend compiled: its pieces, compiled or Python
+    partition = builtin.partition
+
+    def recorded(graph):
+        found = partition(graph)
+        pieces.append([("region" if compiled else "python", _ready_calls(nodes)) for compiled, nodes in found])
+        return found
+    builtin.partition = recorded
     for under_gradfx in (False, True):
         seen, collectives = [], []
         model = _build(case, seen)
         for it in range(STEPS):
+            if it == case.get("comm_hook_at"):
+                _add_comm_hook(model, seen)
             torch.manual_seed(100 * rank + it)
             x = torch.randn(4, 8, 32)
             sync = not (case.get("no_sync") and it == 0)
@@ -134,11 +169,17 @@ def _run_case(rank, case):
             collectives.append(tuple(counted.counts))
             seen.append([None if p.grad is None else p.grad.clone() for p in model.module.parameters()])
         runs[under_gradfx] = (seen, collectives)
+    builtin.partition = partition
     (eager, eager_collectives), (captured, gradfx_collectives) = runs[False], runs[True]
-    return {"equal": len(eager) == len(captured) and all(_same(a, b) for a, b in zip(eager, captured)),
+    return {"pieces": pieces, "equal": len(eager) == len(captured) and all(_same(a, b) for a, b in zip(eager, captured)),
             "eager_collectives": eager_collectives, "gradfx_collectives": gradfx_collectives,
             "params": len(list(model.parameters())), "stats": gradfx.stats(),
             "last_grads": [p.grad.tolist() for p in model.module.parameters()]}
+
+
+def _ready_calls(nodes) -> int:
+    from gradfx.capture.runtime import ddp_buckets
+    return sum(n.target is ddp_buckets.ready for n in nodes)
 
 
 def _same(a, b) -> bool:
@@ -154,13 +195,18 @@ CASES = {
     "user_hook_reads_grads": {"user_hook": True},
     "comm_hook": {"comm_hook": True},
     "users_backend": {"backend": "gm"},
-    "aot_eager": {"backend": "aot_eager", "ddp": {"bucket_cap_mb": 0.004}},
+    # a compiling backend: the calls that complete no bucket run after the region with
+    # the accumulations, the one completing a bucket cuts it (PIECES)
+    "aot_eager": {"backend": "aot_eager", "model": "wide"},
+    # a comm hook comes in the third step: the hook's calls run user code now, so the
+    # structure key changed and the new graph calls each in its place
+    "aot_eager_comm_hook_later": {"backend": "aot_eager", "model": "wide", "comm_hook_at": 2},
     # the graph stops in the second step (a custom backward's None): what is bucketed
     # before the stop is reduced before the rest runs node by node
-    "stop": {"stop": True},
+    "stop": {"stop": True, "model": "branches"},
 }
 MORE_RANK_CASES = {"buckets": CASES["buckets"], "one_bucket": CASES["one_bucket"], "stop": CASES["stop"],
-                   "channels_last": {"convs": True, "ddp": {"bucket_cap_mb": 0.004}}}
+                   "channels_last": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}}}
 
 
 def _worker(rank, world, port, cases, results):
@@ -181,9 +227,11 @@ def _check_common(results, name, world):
         stats = got["stats"]
         if name == "stop":  # the stop teaches the cache that the custom backward may give None
             assert stats["fallbacks"] == 0 and stats["captures"] + stats["cache_hits"] == STEPS, stats
+        elif "comm_hook_at" in CASES.get(name, {}):  # the hook's new comm hook changed the key
+            assert stats["fallbacks"] == 0 and stats["captures"] == 2 and stats["cache_hits"] == STEPS - 2, stats
         else:
             assert stats["fallbacks"] == 0 and stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1, stats
-        if name not in ("no_sync", "comm_hook"):
+        if "comm_hook" not in name and name != "no_sync":
             assert got["eager_collectives"] == [(0, got["params"])] * STEPS, got["eager_collectives"]
     # the reducer did reduce: every rank ends with the same gradients
     assert all(results[(name, r)]["last_grads"] == results[(name, 0)]["last_grads"] for r in range(world))
@@ -210,7 +258,30 @@ def test_python_reducer_buckets_equal_eager(results, name):
     elif name == "users_backend":
         assert collectives == [(0, params)] * STEPS  # a compiler traces DDP's hook as it is
     elif name == "aot_eager":
-        assert all(buckets > 1 and alone == 0 for buckets, alone in collectives), collectives
+        assert collectives == [(2, 0)] * STEPS, collectives
+    elif name == "aot_eager_comm_hook_later":  # the comm hook's own all-reduces, one per parameter
+        assert collectives == [(2, 0), (2, 0), (params, 0)], collectives
+
+
+# The pieces the split backend cut each compiled graph into: (kind, bucketed calls in it).
+# Wide's parameters in the order their gradients are ready: c.bias, c.weight, b.bias,
+# b.weight (the first bucket, 1 MiB, is full), a.bias, a.weight.  Every graph starts with
+# the buckets' opening (Python) and its first region.
+PIECES = {
+    # the calls completing each bucket cut; the three before b.weight's run after its region
+    "aot_eager": [[("python", 0), ("region", 0), ("python", 4), ("region", 0), ("python", 2)]],
+    # with a comm hook (user code) each call stays where eager makes it: a cut per layer
+    # (a bias's and its weight's calls have no op between them)
+    "aot_eager_comm_hook_later": [[("python", 0), ("region", 0), ("python", 4), ("region", 0), ("python", 2)],
+                                  [("python", 0), ("region", 0), ("python", 2), ("region", 0), ("python", 2),
+                                   ("region", 0), ("python", 2)]],
+}
+
+
+@pytest.mark.parametrize("name", list(PIECES))
+def test_python_reducer_calls_cut_a_compiled_backward_once_per_bucket(results, name):
+    for rank in (0, 1):
+        assert results[(name, rank)]["pieces"] == PIECES[name], results[(name, rank)]["pieces"]
 
 
 # Sizes around gloo's pieces: smaller than the ranks, odd, one of 10.8 MB (three pieces per

@@ -19,6 +19,7 @@ import gradfx
 from gradfx.capture import native
 from gradfx.capture.graph import fast_walk, hooks
 from gradfx.capture.graph.walk import walk_backward
+from gradfx.capture.run import self_check
 from gradfx.capture.run.cache import cache
 from helpers import Double, run_both, snap
 
@@ -239,6 +240,7 @@ def test_walker_taken_on_every_kind_of_graph(name):
     captures = 2 if name in ("tensor_hooks", "post_accumulate_hooks", "opaque_function") else 1
     if name in ("checkpoint", "save_on_cpu") and native.module() is not None:
         captures = 2  # the first backward learns how the hooks unpack, the second traces (graph.unpacked)
+    assert self_check.refusal() is None  # now: its probes' cache hits take walkers of their own
     with _Taken() as taken:
         run_both(lambda log: _scenario(name, log), iterations=5, expect_captures=captures, strict=True)
     # Every cache hit went through the generated walker (3 steps of 4 for toggled hooks;
@@ -291,6 +293,42 @@ def test_post_accumulate_hooks_are_walked_in_one_call(request):
         assert sorted(map(id, hooks_found)) == sorted(map(id, registered))
         first, second = model[0].weight._post_accumulate_grad_hooks.values()
         assert hooks_found.index(first) + 1 == hooks_found.index(second)  # registration order
+
+
+def test_whether_a_hook_is_ddps_reducer_alone_is_part_of_the_structure(monkeypatch, request):
+    """The key records, per post-accumulate-grad hook, whether it is DDP's Python-reducer
+    hook without comm hooks (a compiled graph may run those calls later than eager).  The
+    one C++ call returns the callables and the walker asks it of them: where the answer
+    changed (a comm hook registered since), the lines, the call's walker and the generic
+    walk all find another structure; changed back, the captured one again."""
+    from gradfx.capture.graph import distributed
+    alone = set()  # ids of the hooks that stand for DDP's, alone
+    monkeypatch.setattr(distributed, "reducer_hook_alone", lambda hook: id(hook) in alone)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    log = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: log.append(snap(p.grad)))
+    reducer = next(iter(model[0].weight._post_accumulate_grad_hooks.values()))
+    alone.add(id(reducer))
+    with gradfx.compiled_autograd():
+        model(torch.randn(3, 6)).sum().backward()
+    walker = _walker()
+    assert hasattr(walker, "program") == (request.node.callspec.params["fresh"] == "compiled reads")
+
+    def walked(walk):
+        return walk((model(torch.randn(3, 6)).sum(),), (torch.ones(()),), (), True)
+
+    for round_ in ("as captured", "a comm hook since", "gone again"):
+        if round_ == "a comm hook since":
+            alone.clear()
+        if round_ == "gone again":
+            alone.add(id(reducer))
+        expected = round_ != "a comm hook since"
+        assert (walked(walker.lines) is not None) == expected
+        assert (walked(walker) is not None) == expected
+        key = walk_backward((model(torch.randn(3, 6)).sum(),), (torch.ones(()),), (), True).key
+        assert (key == walker.structure[0]) == expected  # (the key, the pipeline's)
 
 
 # One graph structure, differentiated in every way a caller can: the walker generated

@@ -1,4 +1,4 @@
-"""Detects C++ hooks on leaf accumulators (DistributedDataParallel's reducer).
+"""Tells DistributedDataParallel's hooks on leaves: its C++ reducer's, its Python reducer's.
 
 DDP registers its gradient all-reduce as C++ post-hooks on the parameters'
 AccumulateGrad nodes: Python registered nothing and can read nothing back.  A run
@@ -12,13 +12,24 @@ own compiled autograd, asked to collect the node's hooks (it refuses C++ hooks i
 cannot compile, such as the reducer's, before anything runs; the compiler function
 gradfx passes refuses too, so nothing is ever executed), cached per node, and the
 backward falls back (:func:`cpp_hooks_reason`).
+
+With ``optimize_ddp = "python_reducer"`` DDP registers a Python post-accumulate-grad
+hook on each parameter instead (:func:`reducer_of` tells it).  Where its DDP has no
+comm hook, a call of it runs no user code (:func:`reducer_hook_alone`): the structure
+key records that per hook, so a graph may run those calls later than eager does
+(``backends.split``) only while it holds.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import native
+
+_HOOK_NAME = "compiled_accum_grad_hook"
+_HOOK_MODULE = "torch.nn.parallel.distributed"
 
 _checked: dict[int, tuple] = {}  # id(node) -> (variable id, has C++ hooks)
 
@@ -127,3 +138,37 @@ def _probe(variables) -> bool:
         counted.clear()
         counted.update(before)
     return True
+
+
+def reducer_of(hook):
+    """The DistributedDataParallel whose Python-reducer hook ``hook`` is, else None.
+
+    Asked of every such hook on every cached backward (the structure key, and each bucketed
+    call): once one is recognized, its code object (every DDP's hook shares it) and where its
+    ``self`` sits answer the next in two identity checks."""
+    if type(hook) is not functools.partial:
+        return None
+    func = hook.func
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return None
+    if code is not _known[0]:
+        if code.co_name != _HOOK_NAME or getattr(func, "__module__", None) != _HOOK_MODULE \
+                or "self" not in code.co_freevars:
+            return None
+        _known[:] = [code, code.co_freevars.index("self")]
+    try:
+        ddp = func.__closure__[_known[1]].cell_contents
+    except (IndexError, TypeError, ValueError):  # ValueError: an empty cell
+        return None
+    return ddp if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else None
+
+
+_known: list = [None, 0]  # the code object of DDP's hook, once seen, and its ``self``'s cell
+
+
+def reducer_hook_alone(hook) -> bool:
+    """Is ``hook`` DDP's Python-reducer hook on a DDP without comm hooks?  Its call then
+    runs DDP's code alone: it reads its parameter's ``.grad`` and all-reduces it."""
+    ddp = reducer_of(hook)
+    return ddp is not None and not ddp._comm_hooks

@@ -183,7 +183,8 @@ def _with_program(lines, planned: tuple, call: BackwardCall):
     """The walker that runs the whole walk as one C++ call (walk_program), its lines where
     that answers None and wherever hooks may be live."""
     run = _native("program")
-    program, foreign = planned
+    program, foreign, alone = planned
+    reducer_hook_alone = distributed.reducer_hook_alone
     roots = len(call.roots)
     pre, retained, node_dicts = hooks.none_possible()
 
@@ -192,6 +193,11 @@ def _with_program(lines, planned: tuple, call: BackwardCall):
                 and not (pre or retained or node_dicts)):
             found = run(tensors, grads, program)
             if found is not None:
+                if alone:  # the key's part the call leaves to Python (walk_program.plan)
+                    hooks_in = found[2]
+                    for k, expected in alone:
+                        if reducer_hook_alone(hooks_in[k]) is not expected:
+                            return lines(tensors, grads, inputs, accumulate)
                 if foreign:  # hooked saved tensors: the user's (not gradfx's, not released)?
                     nodes, owned = found[0], found[1]
                     for i, raws in foreign:

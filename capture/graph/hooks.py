@@ -232,8 +232,8 @@ class Found:
     def key(self) -> tuple:
         """The hooks' shape: part of the structure key (kinds.HookSpec.key is the same)."""
         return (tuple((nr, len(c)) for nr, c in self.tensor_pre), tuple(nr for nr, _ in self.retain),
-                len(self.pre), tuple(map(hands_on_incoming, self.post)), len(self.post_accumulate),
-                self.native_post)
+                len(self.pre), tuple(map(hands_on_incoming, self.post)),
+                tuple(map(distributed.reducer_hook_alone, self.post_accumulate)), self.native_post)
 
     def inputs(self) -> list:
         """The runtime inputs, in the order the walk adds them."""

@@ -29,7 +29,7 @@ from torch.autograd.function import BackwardCFunction
 from .. import native
 from ..errors import _Fallback
 from .functions import dtensor_function, promised_traceable
-from . import hidden, hooks, regions, subclasses
+from . import distributed, hidden, hooks, regions, subclasses
 from .run_real import RUN_REAL
 from .saved import (ForeignHooks, ForeignOwned, Origin, SubclassSaved, Untouched, foreign_hooks, leave_to_node,
                     plain_type, readable, saved_layouts, take_saved, unreadable)
@@ -186,6 +186,8 @@ class HookSpec:
     post: list = field(default_factory=list)
     post_accumulate: list = field(default_factory=list)
     post_incoming: tuple = ()  # per post-hook: hooks.hands_on_incoming
+    # per post-accumulate-grad hook: distributed.reducer_hook_alone (its calls may move)
+    post_accumulate_alone: tuple = ()
     node: int | None = None  # an accumulator's own node, for its hooks (hooks.Found.node)
     # An accumulator with C++ post-hooks (DDP's reducer): its whole post-hook list runs
     # through the compiled part (hook_ops.call_node_post_hooks), ``post`` not one by one.
@@ -193,7 +195,7 @@ class HookSpec:
 
     def key(self) -> tuple:
         return (tuple((nr, len(p)) for nr, p in self.tensor_pre), tuple(nr for nr, _ in self.retain),
-                len(self.pre), self.post_incoming, len(self.post_accumulate), self.native_post)
+                len(self.pre), self.post_incoming, self.post_accumulate_alone, self.native_post)
 
 
 @dataclass
@@ -618,6 +620,7 @@ def walk_hooks(w: Walk, rec: NodeRecord, i: int, node, var=None) -> None:
     spec.post = [w.add_input(h, "hook", i) for h in found.post]
     spec.post_incoming = tuple(map(hooks.hands_on_incoming, found.post))
     spec.post_accumulate = [w.add_input(h, "hook", i) for h in found.post_accumulate]
+    spec.post_accumulate_alone = tuple(map(distributed.reducer_hook_alone, found.post_accumulate))
     if found.node is not None:
         spec.node = w.add_input(found.node, "node", i)
     spec.native_post = found.native_post

@@ -11,7 +11,8 @@ the lines run (they decide, and the call took nothing over).  Where hooks may be
 live the lines run directly.  Leaves whose only hooks are post-accumulate-grad hooks
 (an optimizer in the backward, DDP's Python reducer) or C++ post-hooks on their
 accumulators (DDP's C++ reducer) are walked here too: the call reads the hooks' dict
-itself and returns its callables as the lines do.  The call makes no Python
+itself and returns its callables as the lines do; whether each is DDP's reducer hook
+alone (part of the key) is asked in Python, of the callables it returned.  The call makes no Python
 object per node (program.cpp says how): a node's own input is None in what it returns,
 and the session gives a graph the node objects it reads.
 
@@ -46,7 +47,8 @@ def _post_accumulate_only(spec) -> int | None:
 def plan(call, structure_plan: tuple):
     """program.cpp's plan for ``call``'s structure (parsed once: a capsule) and the nodes whose
     saved tensors the user's hooks hold (the caller's lines tell those hooks from gradfx's
-    and make their owners), or None where its lines must serve."""
+    and make their owners) and the hooks whose ``reducer_hook_alone`` the key holds (the
+    caller asks it of the hooks the call returns), or None where its lines must serve."""
     if native.module() is None or call.outputs is not None or call.accumulate is not True:
         return None
     records = call.records
@@ -56,6 +58,7 @@ def plan(call, structure_plan: tuple):
     layout = [(GRAD_INPUT, k, 0) for k in range(len(call.roots))]
     held = []
     hooked = []  # (node index, its raw saved attributes) per node under the user's saved-tensor hooks
+    alone = []  # (input index, expected) of each post-accumulate-grad hook: the key's reducer_hook_alone
     for i, node in enumerate(call.nodes):
         rec = records[i]
         foreign = type(call.owned[i]) is ForeignOwned  # walked as OPAQUE: the user's hooks hold its tensors
@@ -77,6 +80,8 @@ def plan(call, structure_plan: tuple):
             layout.append((LEAF_INPUT, i, 0))
             # the hooks' inputs as walk_hooks adds them (hooks.Found.inputs): the
             # post-accumulate-grad hooks, then the node their calls run as
+            if post_accumulate:
+                alone += zip(range(len(layout), len(layout) + post_accumulate), rec.hooks.post_accumulate_alone)
             layout += [(HOOK_INPUT, i, j) for j in range(post_accumulate)]
             if rec.hooks is not None:
                 layout.append((NODE_INPUT, i, 0))
@@ -120,7 +125,7 @@ def plan(call, structure_plan: tuple):
         layout += [(SAVED_INPUT, i, j) for j in range(defined)] + [(NODE_INPUT, i, 0)]
     compiled = native.module().compile_program(
         (structure_plan, tuple(steps), tuple(layout), tuple(held), len(call.nodes)), list(call.nodes))
-    return compiled, tuple(hooked)
+    return compiled, tuple(hooked), tuple(alone)
 
 
 def _value_step(i: int, node_type: type, attr: str, value, is_size: bool):

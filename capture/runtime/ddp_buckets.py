@@ -34,15 +34,12 @@ Each gradient is eager's, bit for bit:
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
+from ..graph.distributed import reducer_of
 from . import hook_ops
-
-_HOOK_NAME = "compiled_accum_grad_hook"
-_HOOK_MODULE = "torch.nn.parallel.distributed"
 
 
 class Planned(NamedTuple):
@@ -53,20 +50,6 @@ class Planned(NamedTuple):
     first_cap: int  # DDP's first bucket's bytes
     cap: int  # its other buckets' bytes
     ring: int  # the group's ranks where its all-reduce is gloo's ring over more than two, else 0
-
-
-def reducer_of(hook):
-    """The DistributedDataParallel whose Python-reducer hook ``hook`` is, else None."""
-    if type(hook) is not functools.partial:
-        return None
-    code = getattr(hook.func, "__code__", None)
-    if code is None or code.co_name != _HOOK_NAME or getattr(hook.func, "__module__", None) != _HOOK_MODULE:
-        return None
-    try:
-        ddp = hook.func.__closure__[code.co_freevars.index("self")].cell_contents
-    except (ValueError, IndexError, TypeError):
-        return None
-    return ddp if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else None
 
 
 def bucket_caps(ddp) -> tuple[int, int]:

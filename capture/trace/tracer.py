@@ -37,13 +37,14 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 from .. import native
 from ..runtime import ddp_buckets, gloo_ring, hook_ops, runtime_ops
 from . import aot_regions, engine_loop, fast_ops, plain_layout, sym_memo
-from .fx_kinds import BUFFER_SUM, CPP_POST_HOOKS, RUNTIME_SUBCLASS
+from .fx_kinds import BUFFER_SUM, CPP_POST_HOOKS, REDUCER_ALONE, RUNTIME_SUBCLASS
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
 from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, TAKES_NONE, apply_rule
 from .rules_builtin import copy_slices
 from .shapes import SymbolicSizes
 from ..graph import hidden as graph_hidden, subclasses, unpacked
+from ..graph.distributed import reducer_of
 from ..graph.saved import ForeignOwned, foreign_hooks, saved_layouts, substitute, substituted, take_saved
 from ..graph.kinds import ACCUMULATE, FUNCTION, REGION_INTS, SUBCLASS_GRADS, subclass_grads, type_info
 from ..graph.walk import BackwardCall
@@ -486,7 +487,7 @@ class _Tracer:
         spec = self.call.records[i].hooks
         if not spec.post and native.module().post_hooks_all_cpp(self.call.nodes[i]):
             self.last_call.meta[CPP_POST_HOOKS] = True
-        if not spec.post and any(ddp_buckets.reducer_of(self.call.inputs[pos]) is not None
+        if not spec.post and any(reducer_of(self.call.inputs[pos]) is not None
                                  for pos in spec.post_accumulate):
             # C++ hooks alone, on a parameter of a DDP in Python-reducer mode: its C++ reducer
             # never expects them (DDP skips the reducer's forward and backward set-up), so
@@ -495,15 +496,17 @@ class _Tracer:
 
     def post_accumulate_hooks(self, i, spec, var_pos):
         label = self.call_label(i)
-        for pos in spec.post_accumulate:
+        for pos, alone in zip(spec.post_accumulate, spec.post_accumulate_alone):
             self.python_call(hook_ops.call_post_accumulate_hook, (_Input(pos), _Input(var_pos), self.running(i)), None,
                              label, "hook")
-            ddp = ddp_buckets.reducer_of(self.call.inputs[pos])
+            ddp = reducer_of(self.call.inputs[pos])
             if ddp is not None:  # DDP's Python reducer: reorder.bucket_allreduces plans it into a bucket
                 variable = self.call.inputs[var_pos]
                 self.last_call.meta["gradfx_allreduce"] = ddp_buckets.Planned(
                     variable.numel(), variable.dtype, id(ddp.process_group), *ddp_buckets.bucket_caps(ddp),
                     gloo_ring.ranks_of(ddp.process_group, variable.device))
+                # no comm hook: no user code in the call, while the structure key holds
+                self.last_call.meta[REDUCER_ALONE] = alone
 
     def running(self, i):
         """The input holding node ``i`` itself, which its hooks see running (hook_ops._call);

@@ -465,8 +465,10 @@ def _hooks(spec) -> str:
         return _short(spec)
     tensor_pre, retain, pre, post, post_accumulate, native_post = spec
     counts = [(sum(n for _, n in tensor_pre), "tensor hook"), (len(retain), "retain_grad"),
-              (pre, "pre-hook"), (len(post), "post-hook"), (post_accumulate, "post-accumulate-grad hook")]
+              (pre, "pre-hook"), (len(post), "post-hook"), (len(post_accumulate), "post-accumulate-grad hook")]
     words = [_count(n, word) for n, word in counts if n]
+    if any(post_accumulate):
+        words.append(f"{sum(post_accumulate)} of them DDP's Python reducer's (no comm hook)")
     if native_post:
         words.append("C++ post-hooks (DDP's reducer)")
     return ", ".join(words) or "none"
