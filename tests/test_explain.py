@@ -310,3 +310,16 @@ def test_a_builtin_node_that_raises_keeps_its_note():
         return h.sum()
     notes = _notes(run)
     assert len(notes) == 1 and "backend" not in notes[0], notes
+
+
+def test_hooks_in_words_tell_ddps_python_reducer_hooks():
+    """The key records, per post-accumulate-grad hook, whether it is DDP's Python-reducer
+    hook on a DDP without comm hooks: a comm hook registered since changes the structure,
+    and the words say which hooks were DDP's."""
+    from gradfx.capture.graph.kinds import HookSpec
+    from gradfx.capture.view import explain
+    alone = HookSpec(post_accumulate=[3, 4], post_accumulate_alone=(True, False), native_post=True).key()
+    assert explain._hooks(alone) == ("2 post-accumulate-grad hooks, 1 of them DDP's Python-reducer hook (its DDP "
+                                     "has no comm hook), C++ post-hooks (DDP's reducer)")
+    comm_hooked = HookSpec(post_accumulate=[3, 4], post_accumulate_alone=(False, False), native_post=True).key()
+    assert explain._hooks(comm_hooked) == "2 post-accumulate-grad hooks, C++ post-hooks (DDP's reducer)"

@@ -467,8 +467,9 @@ def _hooks(spec) -> str:
     counts = [(sum(n for _, n in tensor_pre), "tensor hook"), (len(retain), "retain_grad"),
               (pre, "pre-hook"), (len(post), "post-hook"), (len(post_accumulate), "post-accumulate-grad hook")]
     words = [_count(n, word) for n, word in counts if n]
-    if any(post_accumulate):
-        words.append(f"{sum(post_accumulate)} of them DDP's Python reducer's (no comm hook)")
+    if any(post_accumulate):  # graph.distributed.reducer_hook_alone
+        k = sum(post_accumulate)
+        words.append(f"{k} of them DDP's Python-reducer hook{'s' if k > 1 else ''} (its DDP has no comm hook)")
     if native_post:
         words.append("C++ post-hooks (DDP's reducer)")
     return ", ".join(words) or "none"
