@@ -140,6 +140,18 @@ class _Counted:
 def _run_case(rank, case):
     import gradfx
     from gradfx.backends import builtin
+    from gradfx.capture.runtime import ddp_buckets
+    divide_into = ddp_buckets.DIVIDE_INTO
+    ddp_buckets.DIVIDE_INTO = case.get("divide_into", divide_into)
+    try:
+        return _run(rank, case)
+    finally:
+        ddp_buckets.DIVIDE_INTO = divide_into
+
+
+def _run(rank, case):
+    import gradfx
+    from gradfx.backends import builtin
     backend = case_backend(case)
     runs = {}
     pieces = []  # per graph a split backend compiled: its pieces, compiled or Python
@@ -204,9 +216,14 @@ CASES = {
     # the graph stops in the second step (a custom backward's None): what is bucketed
     # before the stop is reduced before the rest runs node by node
     "stop": {"stop": True, "model": "branches"},
+    # each gradient divided straight into its bucket, as larger members are (DIVIDE_INTO)
+    "buckets_divided_into": {"ddp": {"bucket_cap_mb": 0.004}, "divide_into": 1},
+    "stop_divided_into": {"stop": True, "model": "branches", "divide_into": 1},
 }
 MORE_RANK_CASES = {"buckets": CASES["buckets"], "one_bucket": CASES["one_bucket"], "stop": CASES["stop"],
-                   "channels_last": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}}}
+                   "channels_last": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}},
+                   "channels_last_divided_into": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}, "divide_into": 1},
+                   "stop_divided_into": CASES["stop_divided_into"]}
 
 
 def _worker(rank, world, port, cases, results):
@@ -225,7 +242,7 @@ def _check_common(results, name, world):
         assert "error" not in got, got.get("error")
         assert got["equal"], f"rank {rank}: gradients (or what a hook saw) differ from eager's"
         stats = got["stats"]
-        if name == "stop":  # the stop teaches the cache that the custom backward may give None
+        if name.startswith("stop"):  # the stop teaches the cache that the custom backward may give None
             assert stats["fallbacks"] == 0 and stats["captures"] + stats["cache_hits"] == STEPS, stats
         elif "comm_hook_at" in CASES.get(name, {}):  # the hook's new comm hook changed the key
             assert stats["fallbacks"] == 0 and stats["captures"] == 2 and stats["cache_hits"] == STEPS - 2, stats
@@ -246,6 +263,8 @@ def test_python_reducer_buckets_equal_eager(results, name):
     params = results[(name, 0)]["params"]
     if name == "one_bucket":
         assert collectives == [(1, 0)] * STEPS
+    elif name == "buckets_divided_into":
+        assert collectives == results[("buckets", 0)]["gradfx_collectives"], collectives
     elif name == "comm_hook":
         assert collectives == results[(name, 0)]["eager_collectives"] == [(params, 0)] * STEPS  # the hook's own
     elif name == "buckets":
@@ -385,7 +404,7 @@ def test_more_ranks_buckets_keep_each_parameters_order(world):
         params = results[(name, 0)]["params"]
         if name == "one_bucket":
             assert per_rank[0] == [(1, 0)] * STEPS
-        elif name in ("buckets", "channels_last"):
+        elif name in ("buckets", "channels_last", "channels_last_divided_into"):
             assert all(1 < buckets < params and alone == 0 for buckets, alone in per_rank[0]), per_rank[0]
         else:  # the stop: the bucket open there is reduced as it is, the members after it alone
             assert per_rank[0][1][0] >= 1 and per_rank[0][1][1] > 0, per_rank[0]

@@ -70,6 +70,11 @@ def default_caps() -> tuple[int, int]:
     return int(dist._DEFAULT_FIRST_BUCKET_BYTES), int(megabytes * 1024 * 1024)
 
 
+# Elements per member from which a bucket's members are divided straight into its buffer
+# (Buckets._start): a call per member then costs less than a second pass over the buffer.
+DIVIDE_INTO = 4096
+
+
 class Buckets:
     """One backward's buckets.  ``plan`` holds, per bucket, (numel, each member's (offset,
     numel, dtype, width), ring, gaps): with ``ring`` 0 the members follow each other;
@@ -123,18 +128,21 @@ class Buckets:
             self._start(bucket)
 
     def _start(self, bucket: int) -> None:
-        """Fill the bucket's buffer with its members' gradients, divide it by the group's size
-        as the hook divides each (elementwise: the same quotients) and start its all-reduce."""
+        """Fill the bucket's buffer with its members' gradients divided by the group's size, as
+        the hook divides each (elementwise: the same quotients), and start its all-reduce.
+
+        Members of some size are divided straight into the buffer, one pass over the memory
+        (the C++ reducer's copy divides as it copies too); many small ones are copied in one
+        call and the buffer divided after, two passes where per-member calls would cost more."""
         written = self.written[bucket]
         if not written:
             return
         total, members, ring, gaps = self.plan[bucket]
         first = written[0][0]
         flat = torch.empty(total, dtype=first.dtype, device=first.device)
+        size = self.group[bucket].size()
         complete = len(written) == len(members)
-        if complete and not ring:
-            torch.cat([grad.reshape(-1) for grad, _ in written], out=flat)
-        else:
+        if not complete or ring:
             for begin, stop in gaps:
                 flat[begin:stop].zero_()
             if not complete:
@@ -143,13 +151,21 @@ class Buckets:
                 missing = sorted(set(range(len(members))) - {m for _, m in written})
                 for piece in _pieces(flat, self.plan[bucket], [(None, m) for m in missing], ())[0]:
                     piece.zero_()
-            into, values = _pieces(flat, self.plan[bucket], written, [grad.reshape(-1) for grad, _ in written])
-            if into:
-                torch._foreach_copy_(into, values)
-        group = self.group[bucket]
-        flat.div_(group.size())
+        grads = [grad.reshape(-1) for grad, _ in written]
+        if total >= DIVIDE_INTO * len(members):
+            into, values = _pieces(flat, self.plan[bucket], written, grads)
+            for piece, value in zip(into, values):
+                torch.div(value, size, out=piece)
+        else:
+            if complete and not ring:
+                torch.cat(grads, out=flat)
+            else:
+                into, values = _pieces(flat, self.plan[bucket], written, grads)
+                if into:
+                    torch._foreach_copy_(into, values)
+            flat.div_(size)
         import torch.distributed as dist
-        self.works.append((dist.all_reduce(flat, group=group, async_op=True), bucket, flat))
+        self.works.append((dist.all_reduce(flat, group=self.group[bucket], async_op=True), bucket, flat))
 
     def finish(self) -> None:
         """Wait for every all-reduce started and copy each sum into its ``.grad``.
