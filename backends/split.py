@@ -20,10 +20,10 @@ marks them) that do not complete one of its buckets: the reducer copies the
 parameter's ``.grad`` into its bucket and touches no value of the graph; the call
 that completes a bucket starts its all-reduce and stays a cut, where eager starts it
 (:func:`_reducer_calls_moved`).  The Python reducer's bucketed calls
-(``reorder.bucket_allreduces``) move on the same terms, where its hook runs no user code.  Without this, DDP's hooks cut a backward into a region
-per parameter.  Pure ops never move
-across a Python call: a hook or a custom backward may change a tensor in place, and
-what else reads it (through a view too) is not in the graph's edges.  Where the graph
+(``reorder.bucket_allreduces``) move on the same terms, where its hook runs no user
+code.  Without this, DDP's hooks cut a backward into a region per parameter.  Pure ops
+never move across a Python call: a hook or a custom backward may change a tensor in
+place, and what else reads it (through a view too) is not in the graph's edges.  Where the graph
 has Python calls, runs of fewer than ``MIN_OPS`` aten ops (views not counted) stay in
 Python: compiling them would cost a compile each and gain nothing.  A graph whose only
 Python calls are accumulations is one region, compiled whatever its size, with its

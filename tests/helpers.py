@@ -188,6 +188,25 @@ def run_both(build, iterations=3, expect_captures=1, **kwargs):
 
 
 
+@contextlib.contextmanager
+def split_pieces(count):
+    """While the block runs: per graph a split backend (inductor, aot_eager) compiles, the
+    pieces it is cut into, as ``("region" or "python", count(their nodes))``."""
+    from gradfx.backends import builtin
+    partition = builtin.partition
+    pieces = []
+
+    def recorded(graph):
+        found = partition(graph)
+        pieces.append([("region" if compiled else "python", count(nodes)) for compiled, nodes in found])
+        return found
+    builtin.partition = recorded
+    try:
+        yield pieces
+    finally:
+        builtin.partition = partition
+
+
 def record_case(results, key, case) -> None:
     """``results[key] = case()`` on a spawned rank; where it raises, the traceback instead (the
     case's test reports it), and the error goes on (the spawn then stops every rank)."""

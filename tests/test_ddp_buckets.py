@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import MaybeNone, backward, case_backend, gloo_group, record_cases, spawn_ranks
+from helpers import MaybeNone, backward, case_backend, gloo_group, record_cases, spawn_ranks, split_pieces
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -139,54 +139,42 @@ class _Counted:
 
 def _run_case(rank, case):
     import gradfx
-    from gradfx.backends import builtin
     from gradfx.capture.runtime import ddp_buckets
     divide_into = ddp_buckets.DIVIDE_INTO
     ddp_buckets.DIVIDE_INTO = case.get("divide_into", divide_into)
     try:
-        return _run(rank, case)
+        with split_pieces(_ready_calls) as pieces:  # per graph a split backend compiled
+            runs = {under_gradfx: _steps(rank, case, under_gradfx) for under_gradfx in (False, True)}
     finally:
         ddp_buckets.DIVIDE_INTO = divide_into
-
-
-def _run(rank, case):
-    import gradfx
-    from gradfx.backends import builtin
-    backend = case_backend(case)
-    runs = {}
-    pieces = []  # per graph a split backend compiled: its pieces, compiled or Python
-    partition = builtin.partition
-
-    def recorded(graph):
-        found = partition(graph)
-        pieces.append([("region" if compiled else "python", _ready_calls(nodes)) for compiled, nodes in found])
-        return found
-    builtin.partition = recorded
-    for under_gradfx in (False, True):
-        seen, collectives = [], []
-        model = _build(case, seen)
-        for it in range(STEPS):
-            if it == case.get("comm_hook_at"):
-                _add_comm_hook(model, seen)
-            torch.manual_seed(100 * rank + it)
-            x = torch.randn(4, 8, 32)
-            sync = not (case.get("no_sync") and it == 0)
-            if sync and it != 1:  # no_sync: the synced step adds to the step before
-                model.zero_grad()
-            MaybeNone.drop = case.get("stop", False) and it == 1
-            with (model.no_sync() if not sync else torch.enable_grad()):
-                loss = model(x).square().sum()
-                with _Counted() as counted:
-                    backward(loss, under_gradfx, backend)
-            collectives.append(tuple(counted.counts))
-            seen.append([None if p.grad is None else p.grad.clone() for p in model.module.parameters()])
-        runs[under_gradfx] = (seen, collectives)
-    builtin.partition = partition
-    (eager, eager_collectives), (captured, gradfx_collectives) = runs[False], runs[True]
+    (eager, eager_collectives, _), (captured, gradfx_collectives, model) = runs[False], runs[True]
     return {"pieces": pieces, "equal": len(eager) == len(captured) and all(_same(a, b) for a, b in zip(eager, captured)),
             "eager_collectives": eager_collectives, "gradfx_collectives": gradfx_collectives,
             "params": len(list(model.parameters())), "stats": gradfx.stats(),
             "last_grads": [p.grad.tolist() for p in model.module.parameters()]}
+
+
+def _steps(rank, case, under_gradfx) -> tuple:
+    """(what a hook saw and the gradients, per step; the collectives per step; the model)."""
+    backend = case_backend(case)
+    seen, collectives = [], []
+    model = _build(case, seen)
+    for it in range(STEPS):
+        if it == case.get("comm_hook_at"):
+            _add_comm_hook(model, seen)
+        torch.manual_seed(100 * rank + it)
+        x = torch.randn(4, 8, 32)
+        sync = not (case.get("no_sync") and it == 0)
+        if sync and it != 1:  # no_sync: the synced step adds to the step before
+            model.zero_grad()
+        MaybeNone.drop = case.get("stop", False) and it == 1
+        with (model.no_sync() if not sync else torch.enable_grad()):
+            loss = model(x).square().sum()
+            with _Counted() as counted:
+                backward(loss, under_gradfx, backend)
+        collectives.append(tuple(counted.counts))
+        seen.append([None if p.grad is None else p.grad.clone() for p in model.module.parameters()])
+    return seen, collectives, model
 
 
 def _ready_calls(nodes) -> int:

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import backward, case_backend, gloo_group, record_cases, spawn_ranks
+from helpers import backward, case_backend, gloo_group, record_cases, spawn_ranks, split_pieces
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -120,41 +120,35 @@ def _step(model, events, x, use_spare, racy):
 
 def _run_case(rank, case):
     import gradfx
-    from gradfx.backends import builtin
-    backend = case_backend(case)
-    runs = {}
-    pieces = []  # per graph a split backend compiled: its pieces, compiled or Python
-    partition = builtin.partition
-
-    def recorded(graph):
-        found = partition(graph)
-        pieces.append([("region" if compiled else "python", _reducer_calls(nodes)) for compiled, nodes in found])
-        return found
-    builtin.partition = recorded
-    for under_gradfx in (False, True):
-        events = []
-        model = _build(case, events)
-        for it in range(STEPS):
-            torch.manual_seed(100 * rank + it)
-            x = torch.randn(8, 16)
-            use_spare = it % 2 == 0 or not case.get("ddp", {}).get("find_unused_parameters")
-            sync = not (case.get("no_sync") and it % 2 == 0)
-            if not case.get("no_sync") or not sync:  # no_sync: the synced step adds to the last one's
-                model.zero_grad()
-            with (model.no_sync() if not sync else torch.enable_grad()):
-                loss = _step(model, events, x, use_spare, case.get("ddp", {}).get("gradient_as_bucket_view", False))
-                if under_gradfx and rank in case.get("fallback_ranks", ()):
-                    # anomaly mode: gradfx hands this rank's backward to the eager engine
-                    with warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True):
-                        warnings.simplefilter("ignore", gradfx.FallbackWarning)
-                        with gradfx.compiled_autograd(backend):
-                            loss.backward()
-                else:
-                    backward(loss, under_gradfx and rank in case.get("gradfx_ranks", (0, 1)), backend)
-            events.append(("grads", [None if p.grad is None else p.grad.tolist() for p in model.module.parameters()]))
-        runs[under_gradfx] = events
-    builtin.partition = partition
+    with split_pieces(_reducer_calls) as pieces:  # per graph a split backend compiled
+        runs = {under_gradfx: _events(rank, case, under_gradfx) for under_gradfx in (False, True)}
     return {"eager": runs[False], "gradfx": runs[True], "stats": gradfx.stats(), "pieces": pieces}
+
+
+def _events(rank, case, under_gradfx) -> list:
+    import gradfx
+    backend = case_backend(case)
+    events = []
+    model = _build(case, events)
+    for it in range(STEPS):
+        torch.manual_seed(100 * rank + it)
+        x = torch.randn(8, 16)
+        use_spare = it % 2 == 0 or not case.get("ddp", {}).get("find_unused_parameters")
+        sync = not (case.get("no_sync") and it % 2 == 0)
+        if not case.get("no_sync") or not sync:  # no_sync: the synced step adds to the last one's
+            model.zero_grad()
+        with (model.no_sync() if not sync else torch.enable_grad()):
+            loss = _step(model, events, x, use_spare, case.get("ddp", {}).get("gradient_as_bucket_view", False))
+            if under_gradfx and rank in case.get("fallback_ranks", ()):
+                # anomaly mode: gradfx hands this rank's backward to the eager engine
+                with warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True):
+                    warnings.simplefilter("ignore", gradfx.FallbackWarning)
+                    with gradfx.compiled_autograd(backend):
+                        loss.backward()
+            else:
+                backward(loss, under_gradfx and rank in case.get("gradfx_ranks", (0, 1)), backend)
+        events.append(("grads", [None if p.grad is None else p.grad.tolist() for p in model.module.parameters()]))
+    return events
 
 
 def _reducer_calls(nodes) -> int:
