@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
 from ..capture.runtime import counters, ddp_buckets
-from ..capture.trace.fx_kinds import CPP_POST_HOOKS, REDUCER_ALONE, has_side_effect, kind_of, shares_storage
+from ..capture.trace.fx_kinds import CPP_POST_HOOKS, has_side_effect, kind_of, shares_storage
 from ..reorder.memory import free_inputs_early
 from . import repeated_blocks
 
@@ -121,10 +121,10 @@ def _reducer_calls_moved(calls: list, pure: set) -> set:
       gradient or a view of it (a C++ hook is passed its gradient).  An idle C++ reducer's
       (DDP in Python-reducer mode: its hooks return at once) complete nothing.
     * The Python reducer's, bucketed (``ddp_buckets.ready``), where the hook runs no user
-      code (``REDUCER_ALONE``, keyed): such a call reads its parameter's ``.grad``, which
+      code (``Planned.alone``, keyed): such a call reads its parameter's ``.grad``, which
       only it and the accumulation before it touch, and no value of the graph."""
     cpp = [n for n in calls if n.meta.get(CPP_POST_HOOKS)]
-    python = {n for n in calls if n.target is ddp_buckets.ready and n.meta.get(REDUCER_ALONE)
+    python = {n for n in calls if n.target is ddp_buckets.ready and n.meta["gradfx_allreduce"].alone
               and not _completes_bucket(n)}
     if not cpp:
         return python

@@ -43,7 +43,6 @@ import torch
 import torch.fx as fx
 
 from ..capture.runtime import ddp_buckets, gloo_ring, hook_ops, runtime_ops
-from ..capture.trace.fx_kinds import REDUCER_ALONE
 
 _ACCUMULATIONS = (runtime_ops.accumulate_grad, runtime_ops.accumulate_grad_unchecked,
                   runtime_ops.accumulate_grad_create_graph)
@@ -127,8 +126,7 @@ def _bucket(graph: fx.Graph, members: list, before: fx.Node, first: list) -> Non
         with graph.inserting_before(node):
             ready = graph.call_function(ddp_buckets.ready, (state, bucket, k, hook, variable, running))
         _stamp(ready, node)
-        for key in ("gradfx_allreduce", REDUCER_ALONE):
-            ready.meta[key] = node.meta.get(key, False)
+        ready.meta["gradfx_allreduce"] = node.meta["gradfx_allreduce"]
         graph.erase_node(node)
     with graph.inserting_before(before):
         done = graph.call_function(ddp_buckets.finish, (state,))

@@ -12,9 +12,9 @@ live the lines run directly.  Leaves whose only hooks are post-accumulate-grad h
 (an optimizer in the backward, DDP's Python reducer) or C++ post-hooks on their
 accumulators (DDP's C++ reducer) are walked here too: the call reads the hooks' dict
 itself and returns its callables as the lines do; whether each is DDP's reducer hook
-alone (part of the key) is asked in Python, of the callables it returned.  The call makes no Python
-object per node (program.cpp says how): a node's own input is None in what it returns,
-and the session gives a graph the node objects it reads.
+alone (part of the key) is asked in Python, of the callables it returned.  The call
+makes no Python object per node (program.cpp says how): a node's own input is None in
+what it returns, and the session gives a graph the node objects it reads.
 
 Every value check here is one of ``kinds.emit_values``' forms; a structure with any
 other (a nested size layout, a value keyed by ``value_key``) keeps its lines alone.

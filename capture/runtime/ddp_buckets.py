@@ -50,6 +50,9 @@ class Planned(NamedTuple):
     first_cap: int  # DDP's first bucket's bytes
     cap: int  # its other buckets' bytes
     ring: int  # the group's ranks where its all-reduce is gloo's ring over more than two, else 0
+    # the hook runs no user code (DDP has no comm hook; the structure key holds it): a call
+    # that completes no bucket may run later (backends.split)
+    alone: bool
 
 
 def bucket_caps(ddp) -> tuple[int, int]:

@@ -29,10 +29,6 @@ RUNTIME_SUBCLASS = "gradfx_subclass"
 # reducer, the one torch registers): it reads the parameter's .grad and no other graph
 # value, and changes none (backends.split may run it later, with the accumulations)
 CPP_POST_HOOKS = "gradfx_cpp_post_hooks"
-# a call of DDP's Python-reducer hook on a DDP without comm hooks (graph.distributed.
-# reducer_hook_alone, keyed): once bucketed, a call that completes no bucket only records
-# the parameter's .grad (backends.split may run it later too)
-REDUCER_ALONE = "gradfx_reducer_alone"
 
 # For nodes without a stamp: gradfx's runtime functions by what they do.
 _BY_TARGET = {

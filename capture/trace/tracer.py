@@ -37,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, _suppress_guards
 from .. import native
 from ..runtime import ddp_buckets, gloo_ring, hook_ops, runtime_ops
 from . import aot_regions, engine_loop, fast_ops, plain_layout, sym_memo
-from .fx_kinds import BUFFER_SUM, CPP_POST_HOOKS, REDUCER_ALONE, RUNTIME_SUBCLASS
+from .fx_kinds import BUFFER_SUM, CPP_POST_HOOKS, RUNTIME_SUBCLASS
 from .scoped_patch import ScopedPatch
 from .getitems import unpack_right_after
 from .rules import HIDDEN_RULES, RUN_REAL, RUN_REAL_WITH_HISTORY, TAKES_NONE, apply_rule
@@ -504,9 +504,7 @@ class _Tracer:
                 variable = self.call.inputs[var_pos]
                 self.last_call.meta["gradfx_allreduce"] = ddp_buckets.Planned(
                     variable.numel(), variable.dtype, id(ddp.process_group), *ddp_buckets.bucket_caps(ddp),
-                    gloo_ring.ranks_of(ddp.process_group, variable.device))
-                # no comm hook: no user code in the call, while the structure key holds
-                self.last_call.meta[REDUCER_ALONE] = alone
+                    gloo_ring.ranks_of(ddp.process_group, variable.device), alone)
 
     def running(self, i):
         """The input holding node ``i`` itself, which its hooks see running (hook_ops._call);
