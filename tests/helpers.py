@@ -49,6 +49,21 @@ class MaybeNone(torch.autograd.Function):
         return None if MaybeNone.drop else grad
 
 
+class Wide(torch.nn.Module):
+    """Two 1 MiB layers: DDP's default buckets (1 MiB first, 25 MiB after) make two of them.
+    Matrix products alone: ``aot_eager``'s decompositions compute them as eager does.
+    Arguments after ``x`` (another test model's switches) are taken and ignored."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.a = torch.nn.Linear(features, 512)
+        self.b = torch.nn.Linear(512, 512)
+        self.c = torch.nn.Linear(512, 4)
+
+    def forward(self, x, *ignored):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
 def autograd_nodes(root) -> set:
     """Every autograd node reachable from ``root`` (a node)."""
     seen, stack = set(), [root]

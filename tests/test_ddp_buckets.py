@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import MaybeNone, backward, case_backend, gloo_group, record_cases, spawn_ranks, split_pieces
+from helpers import MaybeNone, backward, case_backend, gloo_group, record_cases, spawn_ranks, split_pieces, Wide
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -66,21 +66,7 @@ class Convs(nn.Module):
         return self.head(self.second(torch.relu(self.first(images))).mean((2, 3)))
 
 
-class Wide(nn.Module):
-    """Two 1 MiB layers: DDP's default caps (1 MiB first, 25 MiB after) make two buckets.
-    Matrix products alone: ``aot_eager``'s decompositions compute them as eager does."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(32, 512)
-        self.b = nn.Linear(512, 512)
-        self.c = nn.Linear(512, 4)
-
-    def forward(self, x):
-        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
-
-
-MODELS = {"net": Net, "branches": Branches, "convs": Convs, "wide": Wide}
+MODELS = {"net": Net, "branches": Branches, "convs": Convs, "wide": lambda: Wide(32)}
 
 
 def _build(case, seen):

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import backward, case_backend, gloo_group, record_cases, spawn_ranks, split_pieces
+from helpers import backward, case_backend, gloo_group, record_cases, spawn_ranks, split_pieces, Wide
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -40,19 +40,6 @@ class Net(nn.Module):
         return out + self.spare(h) if use_spare else out
 
 
-class Wide(nn.Module):
-    """Two 1 MiB layers: DDP's default buckets (1 MiB first, 25 MiB after) make two of them."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 512)
-        self.b = nn.Linear(512, 512)
-        self.c = nn.Linear(512, 4)
-
-    def forward(self, x, use_spare=True):
-        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
-
-
 class Shared(nn.Module):
     """Two parameters handed one gradient (an add's): the second's accumulation reads the
     tensor the first's reducer call is passed, so that call may not move past it."""
@@ -67,7 +54,7 @@ class Shared(nn.Module):
         return torch.relu(self.a(x)) @ (self.w1 + self.w2)
 
 
-MODELS = {"net": Net, "wide": Wide, "shared": Shared}
+MODELS = {"net": Net, "wide": lambda: Wide(16), "shared": Shared}
 
 
 def _comm_hook(kind, events):

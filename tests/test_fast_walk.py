@@ -253,6 +253,11 @@ def _log_post_accumulate(params, log):
         p.register_post_accumulate_grad_hook(lambda p, k=k: log.append(("post_acc", k, snap(p.grad))))
 
 
+def _walked(walk, model):
+    """``walk`` (a walker, its lines or the one C++ call) of a new backward of ``model``."""
+    return walk((model(torch.randn(3, 6)).sum(),), (torch.ones(()),), (), True)
+
+
 def test_post_accumulate_hooks_are_walked_in_one_call(request):
     """Leaves whose only hooks are post-accumulate-grad hooks (an optimizer in the
     backward, DDP's Python reducer): the one C++ call reads their dicts and returns the
@@ -269,18 +274,15 @@ def test_post_accumulate_hooks_are_walked_in_one_call(request):
     compiled = request.node.callspec.params["fresh"] == "compiled reads"
     assert hasattr(walker, "program") == compiled
 
-    def walked(walk):
-        return walk((model(torch.randn(3, 6)).sum(),), (torch.ones(()),), (), True)
-
     for round_ in ("as captured", "one more hook", "removed again"):
         if round_ == "one more hook":
             extra = model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
         if round_ == "removed again":
             extra.remove()  # the dict keeps its other entries: the captured count again
         expected = round_ != "one more hook"
-        assert (walked(walker.lines) is not None) == expected
+        assert (_walked(walker.lines, model) is not None) == expected
         if compiled:
-            assert (walked(lambda *a: native.module().program(*a[:2], walker.program)) is not None) == expected
+            assert (_walked(lambda *a: native.module().program(*a[:2], walker.program), model) is not None) == expected
         loss = model(torch.randn(3, 6)).sum()
         found = walker((loss,), (torch.ones(()),), (), True)
         assert (found is not None) == expected
@@ -316,17 +318,14 @@ def test_whether_a_hook_is_ddps_reducer_alone_is_part_of_the_structure(monkeypat
     walker = _walker()
     assert hasattr(walker, "program") == (request.node.callspec.params["fresh"] == "compiled reads")
 
-    def walked(walk):
-        return walk((model(torch.randn(3, 6)).sum(),), (torch.ones(()),), (), True)
-
     for round_ in ("as captured", "a comm hook since", "gone again"):
         if round_ == "a comm hook since":
             alone.clear()
         if round_ == "gone again":
             alone.add(id(reducer))
         expected = round_ != "a comm hook since"
-        assert (walked(walker.lines) is not None) == expected
-        assert (walked(walker) is not None) == expected
+        assert (_walked(walker.lines, model) is not None) == expected
+        assert (_walked(walker, model) is not None) == expected
         key = walk_backward((model(torch.randn(3, 6)).sum(),), (torch.ones(()),), (), True).key
         assert (key == walker.structure[0]) == expected  # (the key, the pipeline's)
 
