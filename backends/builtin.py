@@ -18,7 +18,7 @@ from torch.fx.graph import _BoxedCodeGen
 
 from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
-from ..capture.runtime import counters
+from ..capture.runtime import counters, hook_ops
 from ..capture.runtime.runtime_ops import accumulate_grad, unchecked_accumulator
 from ..reorder.memory import frees_inputs_early
 from . import bindings
@@ -41,7 +41,9 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     ``accumulate_grad_unchecked`` (in C++ where gradfx's compiled part is loaded): this
     code is generated from the traced graph,
     so its gradients have their leaves' metadata by construction, and the check
-    that other backends' code gets would only cost time on every backward.  The
+    that other backends' code gets would only cost time on every backward.  It runs
+    a node's C++ post-hooks (DDP's reducer) through the compiled part's C function
+    directly, without the Python one around it.  The
     copy calls each aten overload's own C function rather than its Python
     ``OpOverload`` wrapper (the same kernel, one Python frame less per op), or torch's
     public binding where that runs the same overload and the graph calls nothing that
@@ -54,6 +56,8 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     accumulate = unchecked_accumulator()
     for node in graph.find_nodes(op="call_function", target=accumulate_grad):
         node.target = accumulate
+    for node in graph.find_nodes(op="call_function", target=hook_ops.call_node_post_hooks):
+        node.target = hook_ops.node_post_hooks_native()
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             fast = bindings.fastest(node) if plain else None

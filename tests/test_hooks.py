@@ -549,3 +549,40 @@ def test_autograd_debug_logging_names_each_node(caplog):
     assert eager and "None" not in eager[0]
     assert got == [eager, eager]
     assert session.stats["captures"] == 1 and session.stats["cache_hits"] == 1
+
+
+def test_a_nodes_post_hooks_call_runs_as_that_node_and_restores_the_one_before_on_errors():
+    """The compiled part's call of a node's whole post-hook list (the eager backend's graphs
+    call it for DDP's reducer hooks): the hooks get eager's arguments, and while they run
+    torch._C._current_autograd_node() answers the node, as the engine's running node; after
+    them the one before, also where a hook raised (a stale answer would reach the next
+    backward's hooks)."""
+    from gradfx.capture import native
+    from gradfx.capture.runtime import hook_ops
+    if native.module() is None:
+        pytest.skip(f"gradfx's compiled part is not loaded: {native.reason()}")
+    w = torch.ones(3, requires_grad=True)
+    acc = w.view_as(w).grad_fn.next_functions[0][0]
+    seen, raising = [], []
+
+    def hook(grad_inputs, grad_outputs):
+        seen.append((torch._C._current_autograd_node(), grad_inputs, [g.tolist() for g in grad_outputs]))
+        if raising:
+            raise ValueError("raised by the hook")
+
+    acc.register_hook(hook)
+    outer = w.sum().grad_fn
+    with hook_ops.graph_task(lambda: set(), keep_graph=False):
+        hook_ops.call_node_post_hooks(acc, (torch.full((3,), 2.0),))
+        assert seen == [(acc, (), [[2.0, 2.0, 2.0]])]
+        assert torch._C._current_autograd_node() is None
+        raising.append(True)
+        for running in (None, outer):  # no node running around the call, then one
+            previous = hook_ops.running_node(running)
+            try:
+                with pytest.raises(ValueError, match="raised by the hook"):
+                    hook_ops.node_post_hooks_native()(acc, (torch.ones(3),))
+                assert seen[-1][0] is acc
+                assert torch._C._current_autograd_node() is running
+            finally:
+                hook_ops.done_running(previous)

@@ -22,6 +22,7 @@ A failed build is not retried until its directory is deleted.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import importlib.util
 import json
@@ -96,6 +97,15 @@ def when_loaded(fn) -> None:
 
 
 _on_load: list = []
+
+
+def named(fn, name: str):
+    """A C function of the extension as fx's code can name it (a global of this name); the
+    call passes its arguments on untouched (no reference more)."""
+    wrapped = functools.partial(fn)
+    wrapped.__name__ = wrapped.__qualname__ = name
+    wrapped.__module__ = __name__
+    return wrapped
 
 
 def start() -> None:

@@ -138,12 +138,21 @@ def call_node_post_hooks(node, grads: tuple) -> None:
     reducer of DistributedDataParallel on a parameter's accumulator), as the engine calls
     them: through gradfx's compiled part, which alone can reach a C++ hook.  The graph
     calls this only inside an engine graph task (``routing.in_engine_task``), where the C++
-    hooks can queue the final callbacks they queue."""
-    previous = running_node(node)
-    try:
-        native.module().run_post_hooks(node, grads)  # loaded: the walk asked it of the node's hooks
-    finally:
-        done_running(previous)
+    hooks can queue the final callbacks they queue.  The compiled part's function makes
+    ``node`` the running one (:func:`running_node`) while they run; the eager backend's
+    graphs call it directly (:func:`node_post_hooks_native`)."""
+    native.module().call_node_post_hooks(node, grads)  # loaded: the walk asked it of the node's hooks
+
+
+def node_post_hooks_native():
+    """:func:`call_node_post_hooks` as the compiled part's C function, as fx's code can name
+    it; where the compiled part is loaded (a graph that calls the hooks needs it)."""
+    if not _native_post_hooks:
+        _native_post_hooks.append(native.named(native.module().call_node_post_hooks, "call_node_post_hooks_native"))
+    return _native_post_hooks[0]
+
+
+_native_post_hooks: list = []
 
 
 def call_post_accumulate_hook(hook, variable, node=None) -> None:
@@ -178,6 +187,9 @@ def running_node(node):
 
 def done_running(previous) -> None:
     _task.node = previous
+
+
+native.when_loaded(lambda module: module.set_running(_task))  # its call_node_post_hooks sets _task.node
 
 
 def _get_current_graph_task_keep_graph():

@@ -7,7 +7,6 @@ keep them (``capture.trace.fx_kinds`` says which kind each is).
 
 from __future__ import annotations
 
-import functools
 import sys
 import warnings
 
@@ -132,21 +131,12 @@ def unchecked_accumulator():
         # graph's code (the graph's stack keeps its argument while C runs), and none for a
         # frame evaluator: C's call copies its arguments into the new frame in any case.
         module.set_accumulate_fallback((accumulate_grad_unchecked, (_UNSHARED_REFS + 1, 0)), _check_layout,
-                                       torch.nn.Parameter, _refs_in_local(_named(module.refcount, "refcount")))
-        _native.append(_named(module.accumulate_grad, "accumulate_grad_native"))
+                                       torch.nn.Parameter, _refs_in_local(native.named(module.refcount, "refcount")))
+        _native.append(native.named(module.accumulate_grad, "accumulate_grad_native"))
     return _native[0]
 
 
 _native: list = []
-
-
-def _named(fn, name: str):
-    """A C function as fx's code can name it (a global of this module's name); the call
-    passes its arguments on untouched (no reference more)."""
-    named = functools.partial(fn)
-    named.__name__ = named.__qualname__ = name
-    named.__module__ = __name__
-    return named
 
 
 def _refs_in_local(refcount) -> int:
