@@ -896,3 +896,27 @@ def test_a_hook_added_to_a_node_that_had_none_runs_while_others_are_live(kind):
     got = backward(True, True)
     assert len(got[0]) == len(eager[0]) == 1 and torch.equal(got[0][0], eager[0][0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], eager[1]))
+
+
+def test_saved_values_read_from_their_fields_tell_other_values_apart():
+    """The one-call walk reads some saved values from the node's C++ field (native/
+    fields.cpp) rather than through torch's getter: a transpose's dims, an add's and a
+    matmul's alpha, their sizes.  The same structure with another value is another graph,
+    and a known value a hit; the gradients stay eager's."""
+    def build(log):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 4, 4))
+        b = torch.nn.Parameter(torch.randn(4, 4))
+        m = torch.nn.Parameter(torch.randn(4, 4))
+        variants = iter([(0, 1, 2), (0, 1, 2), (1, 2, 2), (0, 1, 3), (1, 2, 2), (0, 1, 2)])
+
+        def step():
+            d0, d1, alpha = next(variants)
+            for p in (w, b, m):
+                p.grad = None
+            x = torch.add(w, w.sin(), alpha=alpha).transpose(d0, d1)
+            y = torch.addmm(b, x.reshape(16, 4)[:4], m, alpha=alpha)
+            (x.sum(0) * y).sum().backward()
+            log.append(("grads", snap(w.grad), snap(b.grad), snap(m.grad)))
+        return [w, b, m], step
+    run_both(build, iterations=6, expect_captures=3, strict=True)

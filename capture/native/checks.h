@@ -11,6 +11,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/Layout.h>
 #include <c10/core/ScalarType.h>
+#include <c10/core/SymInt.h>
 #include <torch/csrc/autograd/edge.h>
 
 #include <cstdint>
@@ -89,5 +90,18 @@ int structure(PyObject* tensors, const Structure& plan, bool by_type, std::vecto
 PyObject* sequence_numbers(const std::vector<NodePtr>& nodes);
 // The plan's Python type of node ``i``.
 PyObject* type_of(const Structure& plan, size_t i);
+
+// A saved value read from its C++ field (fields.cpp): a list of plain sizes, or one int.
+struct FieldValue {
+  const std::vector<c10::SymInt>* ints = nullptr;  // the node's own vector; none: ``number``
+  int64_t number = 0;
+};
+// false where the getter must read it (a symbolic size, another kind of scalar).
+using FieldRead = bool (*)(const torch::autograd::Node* node, FieldValue* out);
+// The reader of saved value ``name`` ("_saved_self_sym_sizes") of nodes of ``node``'s C++
+// type, or nullptr where fields.cpp names no such field.
+FieldRead field_reader(const torch::autograd::Node& node, const char* name);
+// The Python object torch's getter gives for ``value``: a tuple of ints, or an int.
+PyObject* field_object(const FieldValue& value);
 
 }  // namespace gradfx_native
