@@ -200,8 +200,6 @@ bool fits(PyObject* x, int64_t* out) {
   return overflow == 0 && !(*out == -1 && PyErr_Occurred());
 }
 
-gradfx_native::FieldRead checked_field(const Step& step, PyObject* obj);
-
 // The value step's fields from (kValue, i, descriptor, mode, arg).
 bool parse_value(Program* p, PyObject* step, Step* out) {
   out->descriptor = PyTuple_GET_ITEM(step, 2);
@@ -248,6 +246,79 @@ bool parse_value(Program* p, PyObject* step, Step* out) {
     default:
       return false;
   }
+}
+
+// value()'s check of a saved value read from its field: 1 or 0 as value() would answer
+// for the getter's object (fields.cpp: a tuple of plain ints, or an int), -1 where the
+// getter's path must decide (a form the field does not give).  Nothing is appended to
+// ``sizes`` unless it answers 1.
+int from_field(const gradfx_native::FieldValue& v, const Step& step, const Program& p, std::vector<int64_t>* sizes) {
+  if (v.ints == nullptr) {
+    if (step.mode == kSize) {  // type(x) is int; sizes.append(x)
+      sizes->push_back(v.number);
+      return 1;
+    }
+    if (step.mode == kEqual && step.equal == kInt) {  // type(x) is int and x == C
+      return v.number == step.number ? 1 : 0;
+    }
+    return -1;
+  }
+  const std::vector<c10::SymInt>& xs = *v.ints;
+  const auto n = static_cast<int64_t>(xs.size());
+  if (step.mode == kSizes) {  // type(x) is tuple and len(x) == n; sizes += x
+    if (n != step.number) {
+      return 0;
+    }
+    for (const c10::SymInt& x : xs) {
+      sizes->push_back(x.as_int_unchecked());
+    }
+    return 1;
+  }
+  if (step.mode == kEqual && step.equal == kInts) {  // type(x) is tuple and x == C (C all ints)
+    if (n != step.count) {
+      return 0;
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      if (xs[k].as_int_unchecked() != p.ints[step.begin + k]) {
+        return 0;
+      }
+    }
+    return 1;
+  }
+  return -1;
+}
+
+// The field of a value step, where fields.cpp names one for its node's type, it reads on
+// the recorded node ``obj`` what the getter reads there (same type, equal), and the step's
+// check takes the form it gives (from_field answers); else nullptr: the getter serves.
+gradfx_native::FieldRead checked_field(const Step& step, PyObject* obj, const Program& p) {
+  if (!torch::autograd::THPCppFunction_Check(obj)) {
+    return nullptr;
+  }
+  const auto& node = reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata;
+  PyObject* name = PyObject_GetAttrString(step.descriptor, "__name__");
+  if (name == nullptr || !PyUnicode_Check(name)) {
+    Py_XDECREF(name);
+    PyErr_Clear();
+    return nullptr;
+  }
+  const char* text = PyUnicode_AsUTF8(name);
+  gradfx_native::FieldRead read = text == nullptr ? nullptr : gradfx_native::field_reader(*node, text);
+  Py_DECREF(name);
+  gradfx_native::FieldValue v;
+  std::vector<int64_t> scratch;
+  if (read == nullptr || !read(node.get(), &v) || from_field(v, step, p, &scratch) < 0) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  py::object ours = py::reinterpret_steal<py::object>(gradfx_native::field_object(v));
+  py::object theirs = py::reinterpret_steal<py::object>(get(step, node));
+  if (!ours || !theirs || Py_TYPE(ours.ptr()) != Py_TYPE(theirs.ptr()) ||
+      PyObject_RichCompareBool(ours.ptr(), theirs.ptr(), Py_EQ) != 1) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  return read;
 }
 
 // The plan tuple, parsed (see ``program`` for its form) with the recorded walk's node
@@ -306,7 +377,7 @@ Program* parse(PyObject* plan, PyObject* nodes) {
         step.proxy = proxy_for(gradfx_native::type_of(*p->structure, step.i));
         ok = step.proxy != nullptr && PyTuple_GET_SIZE(item) == 5 && parse_value(p.get(), item, &step);
         if (ok && PyList_Check(nodes) && step.i < PyList_GET_SIZE(nodes)) {
-          step.field = checked_field(step, PyList_GET_ITEM(nodes, step.i));
+          step.field = checked_field(step, PyList_GET_ITEM(nodes, step.i), *p);
         }
         break;
       case kSaved: {  // (offsets, expected per variable: None or emit_tensor's tuple)
@@ -473,76 +544,6 @@ bool value(PyObject* x, const Step& step, const Program& p, std::vector<int64_t>
   return same == 1;
 }
 
-// value()'s check of a saved value read from its field: 1 or 0 as value() would answer
-// for the getter's object (fields.cpp: a tuple of plain ints, or an int), -1 where the
-// getter's path must decide (a form the field does not give).  Nothing is appended to
-// ``sizes`` unless it answers 1.
-int from_field(const gradfx_native::FieldValue& v, const Step& step, const Program& p, std::vector<int64_t>* sizes) {
-  if (v.ints == nullptr) {
-    if (step.mode == kSize) {  // type(x) is int; sizes.append(x)
-      sizes->push_back(v.number);
-      return 1;
-    }
-    if (step.mode == kEqual && step.equal == kInt) {  // type(x) is int and x == C
-      return v.number == step.number ? 1 : 0;
-    }
-    return -1;
-  }
-  const std::vector<c10::SymInt>& xs = *v.ints;
-  const auto n = static_cast<int64_t>(xs.size());
-  if (step.mode == kSizes) {  // type(x) is tuple and len(x) == n; sizes += x
-    if (n != step.number) {
-      return 0;
-    }
-    for (const c10::SymInt& x : xs) {
-      sizes->push_back(x.as_int_unchecked());
-    }
-    return 1;
-  }
-  if (step.mode == kEqual && step.equal == kInts) {  // type(x) is tuple and x == C (C all ints)
-    if (n != step.count) {
-      return 0;
-    }
-    for (int64_t k = 0; k < n; ++k) {
-      if (xs[k].as_int_unchecked() != p.ints[step.begin + k]) {
-        return 0;
-      }
-    }
-    return 1;
-  }
-  return -1;
-}
-
-// The field of a value step, where fields.cpp names one for its node's type and it reads
-// on the recorded node ``obj`` what the getter reads there (same type, equal); else nullptr.
-gradfx_native::FieldRead checked_field(const Step& step, PyObject* obj) {
-  if (!torch::autograd::THPCppFunction_Check(obj)) {
-    return nullptr;
-  }
-  const auto& node = reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata;
-  PyObject* name = PyObject_GetAttrString(step.descriptor, "__name__");
-  if (name == nullptr || !PyUnicode_Check(name)) {
-    Py_XDECREF(name);
-    PyErr_Clear();
-    return nullptr;
-  }
-  const char* text = PyUnicode_AsUTF8(name);
-  gradfx_native::FieldRead read = text == nullptr ? nullptr : gradfx_native::field_reader(*node, text);
-  Py_DECREF(name);
-  gradfx_native::FieldValue v;
-  if (read == nullptr || !read(node.get(), &v)) {
-    PyErr_Clear();
-    return nullptr;
-  }
-  py::object ours = py::reinterpret_steal<py::object>(gradfx_native::field_object(v));
-  py::object theirs = py::reinterpret_steal<py::object>(get(step, node));
-  if (!ours || !theirs || Py_TYPE(ours.ptr()) != Py_TYPE(theirs.ptr()) ||
-      PyObject_RichCompareBool(ours.ptr(), theirs.ptr(), Py_EQ) != 1) {
-    PyErr_Clear();
-    return nullptr;
-  }
-  return read;
-}
 
 // The leaf's tensor hooks: the lines' cheap condition (none), else they decide.  A plain
 // Tensor or Parameter's attributes are its fields, which their getters return (None for
