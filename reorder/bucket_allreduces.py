@@ -19,9 +19,10 @@ Before::
     accumulate_grad(w1, g_w1); call_post_accumulate_hook(ddp_hook, w1)
     return ()
 
-After (one bucket)::
+After (one bucket, its last member the ranks' trailer)::
 
-    buckets = open_buckets(((n_w2 + n_w1, ((0, n_w2, float32, 0), (n_w2, n_w1, float32, 0)), 0, ()),))
+    buckets = open_buckets(((n_w2 + n_w1 + 1, ((0, n_w2, float32, 0), (n_w2, n_w1, float32, 0),
+                                               (n_w2 + n_w1, 1, float32, 0)), 0, ()),), True)
     accumulate_grad(w2, g_w2); ready(buckets, 0, 0, ddp_hook, w2)
     g_h = mm(g, w2); g_w1 = mm(g_h, x)
     accumulate_grad(w1, g_w1); ready(buckets, 0, 1, ddp_hook, w1)   # starts the all-reduce
@@ -70,11 +71,14 @@ def _reads_no_grad(node: fx.Node) -> bool:
 def bucket_allreduces(graph: fx.Graph) -> None:
     members: list = []  # marked calls since the last node that may read a .grad
     first = [True]  # the backward's first bucket takes DDP's smaller cap
+    # One process group: the backward's first bucket carries the ranks' trailer
+    # (capture.runtime.ddp_agreement), one element more, summed as they all-reduce it.
+    trailer = [len({n.meta["gradfx_allreduce"].group for n in graph.nodes if _marked(n)}) == 1]
     for node in list(graph.nodes):
         if _marked(node):
             members.append(node)
         elif members and not _reads_no_grad(node):
-            _bucket(graph, members, node, first)
+            _bucket(graph, members, node, first, trailer)
             members = []
 
 
@@ -109,17 +113,20 @@ def _layout(planned: list) -> tuple:
     return ring * row, members, ring, gloo_ring.gaps(row, places, numels, ring)
 
 
-def _bucket(graph: fx.Graph, members: list, before: fx.Node, first: list) -> None:
+def _bucket(graph: fx.Graph, members: list, before: fx.Node, first: list, trailer: list) -> None:
     where = _plan(members, first)
     planned = [[] for _ in range(where[-1] + 1)]
     slots = []
     for node, bucket in zip(members, where):
         slots.append((bucket, len(planned[bucket])))
         planned[bucket].append(node.meta["gradfx_allreduce"])
+    with_trailer, trailer[0] = trailer[0], False
+    if with_trailer:  # its last member, of one element
+        planned[0].append(planned[0][0]._replace(numel=1))
     plan = tuple(_layout(each) for each in planned)
     # at the graph's start: a call that reads nothing, which would cut a compiled region
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
-        state = graph.call_function(ddp_buckets.open_buckets, (plan,))
+        state = graph.call_function(ddp_buckets.open_buckets, (plan, with_trailer))
     _stamp(state, members[0])
     for node, (bucket, k) in zip(members, slots):
         hook, variable, running = node.args

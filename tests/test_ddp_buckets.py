@@ -16,6 +16,8 @@ run user code; one registered later changes the structure.
 """
 
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -80,16 +82,20 @@ def _build(case, seen):
             module = module.to(memory_format=torch.channels_last)
         model = DDP(module, **case.get("ddp", {}))
     inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size = saved
-    if case.get("user_hook"):
-        # on a middle parameter, after DDP's own hook: it sees every .grad DDP has reduced so far
-        params = list(model.module.parameters())
-
-        def look(p):
-            seen.append([None if q.grad is None else q.grad.clone() for q in params])
-        model.module.encoder.linear1.weight.register_post_accumulate_grad_hook(look)
+    if case.get("user_hook") or (dist.get_rank() in case.get("user_hook_ranks", ()) and "user_hook_at" not in case):
+        _add_user_hook(model, seen)
     if case.get("comm_hook"):
         _add_comm_hook(model, seen)
     return model
+
+
+def _add_user_hook(model, seen):
+    """On a middle parameter, after DDP's own hook: it sees every .grad DDP has reduced so far."""
+    params = list(model.module.parameters())
+
+    def look(p):
+        seen.append([None if q.grad is None else q.grad.clone() for q in params])
+    model.module.encoder.linear1.weight.register_post_accumulate_grad_hook(look)
 
 
 def _add_comm_hook(model, seen):
@@ -142,12 +148,15 @@ def _run_case(rank, case):
 
 def _steps(rank, case, under_gradfx) -> tuple:
     """(what a hook saw and the gradients, per step; the collectives per step; the model)."""
+    import gradfx
     backend = case_backend(case)
     seen, collectives = [], []
     model = _build(case, seen)
     for it in range(STEPS):
         if it == case.get("comm_hook_at"):
             _add_comm_hook(model, seen)
+        if it == case.get("user_hook_at") and rank in case.get("user_hook_ranks", (0, 1)):
+            _add_user_hook(model, seen)
         torch.manual_seed(100 * rank + it)
         x = torch.randn(4, 8, 32)
         sync = not (case.get("no_sync") and it == 0)
@@ -157,7 +166,15 @@ def _steps(rank, case, under_gradfx) -> tuple:
         with (model.no_sync() if not sync else torch.enable_grad()):
             loss = model(x).square().sum()
             with _Counted() as counted:
-                backward(loss, under_gradfx, backend)
+                if under_gradfx and rank in case.get("fallback_ranks", ()) \
+                        and it in case.get("fallback_steps", range(STEPS)):
+                    # anomaly mode: gradfx hands this rank's backward to the eager engine
+                    with warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True):
+                        warnings.simplefilter("ignore", gradfx.FallbackWarning)
+                        with gradfx.compiled_autograd(backend):
+                            loss.backward()
+                else:
+                    backward(loss, under_gradfx, backend)
         collectives.append(tuple(counted.counts))
         seen.append([None if p.grad is None else p.grad.clone() for p in model.module.parameters()])
     return seen, collectives, model
@@ -193,11 +210,28 @@ CASES = {
     # each gradient divided straight into its bucket, as larger members are (DIVIDE_INTO)
     "buckets_divided_into": {"ddp": {"bucket_cap_mb": 0.004}, "divide_into": 1},
     "stop_divided_into": {"stop": True, "model": "branches", "divide_into": 1},
+    # Ranks on different paths: rank 0 captures buckets, rank 1 runs the eager engine (one
+    # all-reduce per parameter) or a graph cut elsewhere by its own hook.  Told by the
+    # ranks' exchange, every rank all-reduces each parameter alone, as eager does.
+    "one_rank_falls_back": {"ddp": {"bucket_cap_mb": 0.004}, "fallback_ranks": (1,)},
+    "one_rank_cuts_elsewhere": {"user_hook_ranks": (1,)},
+    # The same after two steps of buckets the ranks agreed on: the first bucket carries the
+    # trailer, the rank that turns away sends a dummy of its size instead, and they exchange.
+    "one_rank_falls_back_later": {"ddp": {"bucket_cap_mb": 0.004}, "fallback_ranks": (1,), "fallback_steps": (2,)},
+    "one_rank_cuts_elsewhere_later": {"user_hook_ranks": (1,), "user_hook_at": 2},
+    # every rank turns to another plan at once: after the dummy, they agree on the new one
+    "all_ranks_cut_elsewhere_later": {"user_hook_at": 2},
 }
+# The collectives each rank issues where ranks take different paths: (buckets, alone) per step.
+# The eager engine's rank: one per parameter (functional collectives); the bucketing rank: its
+# trailer's bucket, then one per parameter.
+TURNING = {"one_rank_falls_back_later": lambda params: [[(4, 0), (4, 0), (1, params)], [(4, 0), (4, 0), (0, params)]],
+           "one_rank_cuts_elsewhere_later": lambda params: [[(1, 0), (1, 0), (1, params)], [(1, 0), (1, 0), (0, params)]],
+           "all_ranks_cut_elsewhere_later": lambda params: [[(1, 0), (1, 0), (2, 0)], [(1, 0), (1, 0), (2, 0)]]}
 MORE_RANK_CASES = {"buckets": CASES["buckets"], "one_bucket": CASES["one_bucket"], "stop": CASES["stop"],
                    "channels_last": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}},
                    "channels_last_divided_into": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}, "divide_into": 1},
-                   "stop_divided_into": CASES["stop_divided_into"]}
+                   "stop_divided_into": CASES["stop_divided_into"], "one_rank_falls_back": CASES["one_rank_falls_back"]}
 
 
 def _worker(rank, world, port, cases, results):
@@ -216,7 +250,13 @@ def _check_common(results, name, world):
         assert "error" not in got, got.get("error")
         assert got["equal"], f"rank {rank}: gradients (or what a hook saw) differ from eager's"
         stats = got["stats"]
-        if name.startswith("stop"):  # the stop teaches the cache that the custom backward may give None
+        case = CASES.get(name, {})
+        if rank in case.get("fallback_ranks", ()):
+            steps = len(case.get("fallback_steps", range(STEPS)))
+            assert stats["fallbacks"] == steps and stats["captures"] == (0 if steps == STEPS else 1), stats
+        elif "user_hook_at" in case and rank in case.get("user_hook_ranks", (0, 1)):  # its new hook: a new key
+            assert stats["fallbacks"] == 0 and stats["captures"] == 2 and stats["cache_hits"] == STEPS - 2, stats
+        elif name.startswith("stop"):  # the stop teaches the cache that the custom backward may give None
             assert stats["fallbacks"] == 0 and stats["captures"] + stats["cache_hits"] == STEPS, stats
         elif "comm_hook_at" in CASES.get(name, {}):  # the hook's new comm hook changed the key
             assert stats["fallbacks"] == 0 and stats["captures"] == 2 and stats["cache_hits"] == STEPS - 2, stats
@@ -232,9 +272,12 @@ def _check_common(results, name, world):
 @pytest.mark.parametrize("name", list(CASES))
 def test_python_reducer_buckets_equal_eager(results, name):
     per_rank = _check_common(results, name, 2)
+    params = results[(name, 0)]["params"]
+    if name in TURNING:
+        assert per_rank == TURNING[name](params), per_rank
+        return
     assert per_rank[0] == per_rank[1]  # the ranks' collectives pair up
     collectives = per_rank[0]
-    params = results[(name, 0)]["params"]
     if name == "one_bucket":
         assert collectives == [(1, 0)] * STEPS
     elif name == "buckets_divided_into":
@@ -254,6 +297,8 @@ def test_python_reducer_buckets_equal_eager(results, name):
         assert collectives == [(2, 0)] * STEPS, collectives
     elif name == "aot_eager_comm_hook_later":  # the comm hook's own all-reduces, one per parameter
         assert collectives == [(2, 0), (2, 0), (params, 0)], collectives
+    elif name in ("one_rank_falls_back", "one_rank_cuts_elsewhere"):
+        assert collectives == [(0, params)] * STEPS, collectives  # each parameter alone, on every rank
 
 
 # The pieces the split backend cut each compiled graph into: (kind, bucketed calls in it).
@@ -380,6 +425,8 @@ def test_more_ranks_buckets_keep_each_parameters_order(world):
             assert per_rank[0] == [(1, 0)] * STEPS
         elif name in ("buckets", "channels_last", "channels_last_divided_into"):
             assert all(1 < buckets < params and alone == 0 for buckets, alone in per_rank[0]), per_rank[0]
+        elif name == "one_rank_falls_back":
+            assert per_rank[0] == [(0, params)] * STEPS, per_rank[0]
         else:  # the stop: the bucket open there is reduced as it is, the members after it alone
             assert per_rank[0][1][0] >= 1 and per_rank[0][1][1] > 0, per_rank[0]
     for rank in range(world):

@@ -24,9 +24,9 @@ from ... import backends, reorder
 from ...backends.identity import Key, callable_key
 from .. import logs, native, pipeline, torch_releases
 from ..view import annotate
-from ..graph import fast_walk, subclasses
+from ..graph import distributed, fast_walk, subclasses
 from . import continuation, routing, self_check
-from ..runtime import counters, hook_ops
+from ..runtime import counters, ddp_agreement, ddp_buckets, hook_ops
 from .cache import Assumed, cache
 from ..view.captured_graph import CapturedGraph
 from ..errors import FallbackWarning, Unsupported, _Fallback
@@ -85,7 +85,7 @@ class CompiledBackward:
 
     __slots__ = ("fn", "boxed", "captured", "release_after", "runs_python", "guard", "size_positions",
                  "verified", "failed", "output_specs", "frontiers", "stopped", "kept", "key", "node_inputs", "release_split",
-                 "learner", "in_engine_task")
+                 "learner", "in_engine_task", "handshake")
 
     def __init__(self, fn, captured: CapturedGraph, release_after: frozenset, runs_python: bool,
                  guard, size_positions=(), failed=None, output_specs=None, frontiers=()):
@@ -121,6 +121,9 @@ class CompiledBackward:
         # Where its unpacks of saved tensors under the user's hooks report what they found
         # (graph.unpacked; None: a graph that unpacks none itself).
         self.learner = None
+        # What the ranks exchange before a run that calls DDP's Python-reducer hook
+        # (runtime.ddp_agreement; None: the graph calls none).
+        self.handshake = None
         # It calls C++ post-hooks (DDP's reducer), which queue final callbacks with the
         # engine: it runs inside an engine graph task (routing.in_engine_task).
         self.in_engine_task = False
@@ -293,7 +296,13 @@ class Session:
             warnings.warn(f"gradfx: running this backward on the eager engine: {reason}",
                           FallbackWarning, stacklevel=user_stacklevel())
         self._count("fallbacks")
-        return routing.run_on_engine(engine, *args)  # a backward inside it runs on the engine too
+        tensors, _, _, _, inputs, _, accumulate_grad = args
+        said = ddp_agreement.before_eager_engine(tensors, inputs, accumulate_grad)  # what the other ranks wait for
+        try:
+            return routing.run_on_engine(engine, *args)  # a backward inside it runs on the engine too
+        finally:
+            if said is not None:
+                said.settle()
 
     def _capture(self, call: BackwardCall, structure, tensors, grad_inputs=()) -> CompiledBackward:
         """Capture and compile ``call``; ``structure`` is its cache key (an Assumed key for
@@ -347,6 +356,11 @@ class Session:
         entry.key = structure
         entry.learner = learner if made.unpacks else None
         entry.in_engine_task = any(spec.native_post for spec in call.hooks.values())
+        if call.hooks and distributed.initialized():
+            # A compiler given the traced form gets DDP's hooks as they are, not the buckets.
+            bucketed = self._config.plain_graph or call.create_graph
+            entry.handshake = ddp_agreement.handshake_of(captured.graph_module.graph, len(made.size_positions),
+                                                         call.inputs, ddp_buckets.open_buckets if bucketed else None)
         cache.put(structure, call.sizes, entry, dynamic=bool(made.size_positions))
         self._add_fast_walker(call, base, tensors)
         return entry
@@ -510,6 +524,8 @@ class Session:
                 inputs[pos] = nodes[i]
         # Where the graph may stop, the rest of the backward needs what the graph held.
         kept = continuation.Kept(inputs, entry.kept) if entry.frontiers else None
+        if entry.handshake is not None:  # sent before the graph runs, answered by its first all-reduce
+            ddp_buckets.agreement = entry.handshake.start(inputs)
         if entry.size_positions:
             sizes = call.sizes
             inputs = [sizes[p] for p in entry.size_positions] + inputs
@@ -573,6 +589,10 @@ class Session:
         finally:
             routing.end_backward()
             torch._C._set_grad_enabled(grad_mode)
+            if entry.handshake is not None:
+                agreement, ddp_buckets.agreement = ddp_buckets.agreement, None
+                if agreement is not None:
+                    agreement.settle()  # what this rank sent, where no all-reduce waited for it
         entry.verified = True
         del inputs
         if not keep_graph:

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ..graph.distributed import reducer_of
-from . import hook_ops
+from . import ddp_agreement, hook_ops
 
 
 class Planned(NamedTuple):
@@ -82,13 +82,20 @@ class Buckets:
     """One backward's buckets.  ``plan`` holds, per bucket, (numel, each member's (offset,
     numel, dtype, width), ring, gaps): with ``ring`` 0 the members follow each other;
     else the buffer is ``[ring, numel // ring]`` and a member's chunk ``c`` is row ``c``'s
-    ``width`` elements from column ``offset`` (``reorder.bucket_allreduces._layout``)."""
+    ``width`` elements from column ``offset`` (``reorder.bucket_allreduces._layout``).
+    With ``trailer``, bucket 0's last member is the ranks' trailer (``ddp_agreement``):
+    1 from each rank that sends these buckets, which ``agreement`` decides by."""
 
-    __slots__ = ("plan", "left", "group", "written", "works", "alone")
+    __slots__ = ("plan", "left", "group", "written", "works", "alone", "agreement", "trailer", "first")
 
-    def __init__(self, plan: tuple):
+    def __init__(self, plan: tuple, trailer: bool = False, agreement=None):
         self.plan = plan
         self.left = [len(members) for _, members, _, _ in plan]  # bucket -> members not yet ready
+        self.trailer = trailer
+        if trailer:
+            self.left[0] -= 1  # no call makes the trailer ready
+        self.agreement = agreement  # None: no rank's word on this backward was asked for
+        self.first = None  # the trailer's bucket's (work, buffer) from its start until read
         self.group = [None] * len(plan)  # bucket -> the process group its all-reduce goes to
         self.written = [[] for _ in plan]  # bucket -> (grad, member) of each member it reduces
         self.works = []  # (work, bucket, buffer) of the all-reduces started
@@ -116,14 +123,62 @@ class Buckets:
         size = group.size()
         _, members, ring, _ = self.plan[bucket]
         _, numel, dtype, _ = members[member]
-        if (size > 2 and (size != ring or grad.device.type != "cpu")) or self.left[bucket] <= 0 \
+        agreement = self.agreement
+        if (agreement is not None and agreement.answer is False) or self.left[bucket] <= 0 \
+                or (size > 2 and (size != ring or grad.device.type != "cpu")) \
                 or grad.numel() != numel or grad.dtype != dtype or self.group[bucket] not in (None, group):
-            import torch.distributed._functional_collectives as fcol
-            self.alone.append((grad, fcol.all_reduce(grad / size, "sum", group)))  # the hook's own
+            if agreement is not None:
+                self._may_bucket(None)  # the ranks' word goes before any all-reduce alone
+            self._alone(grad, group)
             return self._done(bucket)
         self.group[bucket] = group
         self.written[bucket].append((grad, member))
         self._done(bucket)
+
+    def _alone(self, grad, group) -> None:
+        """The hook's own all-reduce of one gradient, started now, copied back by finish."""
+        import torch.distributed._functional_collectives as fcol
+        self.alone.append((grad, fcol.all_reduce(grad / group.size(), "sum", group)))
+
+    def _may_bucket(self, bucket) -> bool:
+        """Asked before starting ``bucket``'s all-reduce (None: one alone, or a foreign hook's
+        call): do the ranks send these buckets?  Where the answer comes by the trailer, its
+        bucket goes out first and is read before anything else.  Where they do not, every
+        gradient written so far is all-reduced alone, in the order of its call (buckets
+        fill in that order)."""
+        agreement = self.agreement
+        if agreement.answer is None:
+            if not agreement.by_trailer:
+                agreement.settle()  # the exchange's answer
+            elif self.trailer and bucket != 0:
+                self._read_trailer()
+        if agreement.answer is False:
+            for b, written in enumerate(self.written):
+                for grad, _ in written:
+                    self._alone(grad, self.group[b] or agreement.groups[0])
+                written.clear()
+            return False
+        return True
+
+    def _read_trailer(self) -> None:
+        """Start the trailer's bucket if it has not started (later members go alone), wait
+        for it and read its trailer: where it tells that not every rank sent it, its sum is
+        dropped, and each of its members is all-reduced alone."""
+        if self.first is None:
+            if self.left[0] > 0:
+                self.left[0] = -self.left[0]  # closed: see ready
+            self._start(0)
+        work, flat = self.first
+        self.first = False
+        work.wait()
+        _, members, _, _ = self.plan[0]
+        (piece,), _ = _pieces(flat, self.plan[0], [(None, len(members) - 1)], ())
+        agreement = self.agreement
+        ranks = (self.group[0] or agreement.groups[0]).size()
+        agreement.trailer(piece.item(), ranks,
+                          ddp_agreement.FirstBucket(agreement.fingerprint, flat.numel(), flat.dtype, flat.device))
+        if agreement.answer is False:
+            self.works = [entry for entry in self.works if entry[1] != 0]
 
     def _done(self, bucket: int) -> None:
         self.left[bucket] -= 1
@@ -136,22 +191,31 @@ class Buckets:
 
         Members of some size are divided straight into the buffer, one pass over the memory
         (the C++ reducer's copy divides as it copies too); many small ones are copied in one
-        call and the buffer divided after, two passes where per-member calls would cost more."""
+        call and the buffer divided after, two passes where per-member calls would cost more.
+        The trailer's bucket goes out where the answer comes by it, even with nothing to
+        reduce: the ranks' sizes pair up."""
         written = self.written[bucket]
-        if not written:
+        trailer = self.trailer and bucket == 0
+        agreement = self.agreement
+        by_trailer = trailer and agreement is not None and agreement.by_trailer
+        if (not written and not by_trailer) or (agreement is not None and not self._may_bucket(bucket)):
             return
         total, members, ring, gaps = self.plan[bucket]
-        first = written[0][0]
-        flat = torch.empty(total, dtype=first.dtype, device=first.device)
-        size = self.group[bucket].size()
-        complete = len(written) == len(members)
+        group = self.group[bucket] or agreement.groups[0]
+        if written:
+            flat = torch.empty(total, dtype=written[0][0].dtype, device=written[0][0].device)
+        else:
+            first = agreement.first
+            flat = torch.empty(total, dtype=first.dtype, device=first.device)
+        size = group.size()
+        complete = len(written) == len(members) - trailer
         if not complete or ring:
             for begin, stop in gaps:
                 flat[begin:stop].zero_()
             if not complete:
                 # Members with nothing to reduce add zeros, not the buffer's leftovers: a rank
                 # whose parameter had a gradient sums it with this rank's zeros.
-                missing = sorted(set(range(len(members))) - {m for _, m in written})
+                missing = sorted(set(range(len(members) - trailer)) - {m for _, m in written})
                 for piece in _pieces(flat, self.plan[bucket], [(None, m) for m in missing], ())[0]:
                     piece.zero_()
         grads = [grad.reshape(-1) for grad, _ in written]
@@ -161,24 +225,34 @@ class Buckets:
                 torch.div(value, size, out=piece)
         else:
             if complete and not ring:
-                torch.cat(grads, out=flat)
+                torch.cat(grads, out=flat[:total - trailer])
             else:
                 into, values = _pieces(flat, self.plan[bucket], written, grads)
                 if into:
                     torch._foreach_copy_(into, values)
             flat.div_(size)
+        if trailer:
+            _pieces(flat, self.plan[0], [(None, len(members) - 1)], ())[0][0].fill_(1)
         import torch.distributed as dist
-        self.works.append((dist.all_reduce(flat, group=self.group[bucket], async_op=True), bucket, flat))
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        self.works.append((work, bucket, flat))
+        if trailer:
+            self.first = (work, flat)
 
     def finish(self) -> None:
         """Wait for every all-reduce started and copy each sum into its ``.grad``.
 
         A bucket some of whose members are still to come (a hook that is not DDP's ran
-        between them) starts now; its later members are reduced on their own."""
+        between them) starts now; its later members are reduced on their own.  The ranks'
+        word is had first (:meth:`_may_bucket`)."""
         for bucket in range(len(self.plan)):
             if self.left[bucket] > 0 and self.written[bucket]:
                 self.left[bucket] = -self.left[bucket]  # closed: see ready
                 self._start(bucket)
+        if self.agreement is not None:
+            self._may_bucket(None)
+            if self.first:  # an exchange's answer: the trailer tells what the next backward may skip
+                self._read_trailer()
         works, self.works = self.works, []
         for work, bucket, flat in works:
             work.wait()
@@ -238,8 +312,14 @@ def _pieces(flat: torch.Tensor, planned: tuple, written: list, flat_grads) -> tu
     return ours, theirs
 
 
-def open_buckets(plan: tuple) -> Buckets:
-    return Buckets(plan)
+def open_buckets(plan: tuple, trailer: bool = False) -> Buckets:
+    return Buckets(plan, trailer, agreement)
+
+
+# The ranks' agreement of the backward now starting (set by the driver around a graph
+# that calls DDP's hook): the graph's runs of buckets open at its start, before any of
+# its hooks could start another backward.
+agreement = None
 
 
 # What the graph calls (the methods themselves: a frame less on every call)

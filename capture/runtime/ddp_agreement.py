@@ -1,0 +1,244 @@
+"""The ranks agree on how DDP's Python reducer all-reduces a backward: buckets or alone.
+
+Under ``optimize_ddp = "python_reducer"`` eager DDP all-reduces each parameter alone,
+while a graph of gradfx's sends buckets (``ddp_buckets``).  Collectives pair up only
+where every rank issues the same ones: a rank whose backward falls back to the eager
+engine, or that captured a graph cut into other buckets (a hook or an opaque call on
+that rank alone), would pair a bucket with a single parameter, and gloo aborts.  No
+rank can tell beforehand what the others do, so the ranks say it, per process group:
+
+* **Exchange.**  Where the ranks have not yet agreed on a plan, each sends one small
+  all-reduce as the backward starts: a graph with buckets its plan's fingerprint, a
+  graph that calls DDP's hook without buckets (a pipeline without
+  ``bucket_allreduces``, a compiler tracing the hook) and the eager engine 0.  The
+  buckets go out only where every rank sent the same non-zero fingerprint (the
+  maximum of ``(f, -f)`` over the ranks is ``(f, -f)``).
+* **Trailer.**  Once they have, a further exchange would cost each backward a
+  collective (on a machine with as many ranks as cores, a third of a millisecond of
+  the compute it interrupts).  Instead the backward's first bucket carries one
+  element more, the trailer: 1 from a rank that sends the agreed plan's buckets.  A
+  rank that does not (it falls back, or captured another plan) sends a buffer of
+  that bucket's size, zeros and a trailer of 0, as its first collective.  Every
+  bucket's sizes still pair up, and a trailer summing to less than the ranks tells
+  the bucketing ranks to drop that sum and all-reduce each gradient alone.  No other
+  all-reduce starts, and no foreign hook runs, before the trailer is read.
+* Either way, where the ranks do not agree, every rank all-reduces each parameter
+  alone, in the order of its hook calls, as eager does; the next backward exchanges.
+
+Only backwards that all-reduce take part: a process group of one rank, DDP's
+``no_sync()`` and DDP's comm hooks (which run for each parameter on every path) send
+nothing, on any rank alike.  Every rank must run its backwards inside a gradfx block:
+the eager engine outside one neither exchanges nor sends a trailer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.fx as fx
+
+from ..graph.distributed import initialized, reducer_of
+from . import gloo_ring
+
+_FINGERPRINT_BITS = 62
+
+
+class FirstBucket(NamedTuple):
+    """The first bucket of the plan a DDP's ranks last agreed on."""
+    fingerprint: int
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+# DDP -> the FirstBucket of the plan its ranks last all sent, for backwards that reach it
+# alone (weak: a DDP built later at the same address starts unknown on every rank)
+agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class Agreement:
+    """One backward's answer: may its all-reduces go in buckets?  ``answer`` is None until
+    known: from the exchanges (:meth:`settle`), or, where ``first`` (the agreed plan's
+    first bucket, this backward's too), from that bucket's trailer (``ddp_buckets``)."""
+
+    __slots__ = ("fingerprint", "ddp", "groups", "sent", "first", "answer")
+
+    def __init__(self, fingerprint: int, ddp, groups: list, sent: list, first: FirstBucket | None = None):
+        self.fingerprint = fingerprint
+        self.ddp = ddp  # the one DDP this backward reaches; None for several
+        self.groups = groups
+        self.sent = sent  # (work, its tensor, an exchange?) per collective this rank sent
+        self.first = first
+        self.answer = None
+
+    @property
+    def by_trailer(self) -> bool:
+        return self.first is not None
+
+    def settle(self) -> None:
+        """Wait for what this rank sent; an exchange's answer is known then."""
+        if not self.sent:
+            return
+        agreed_all = self.fingerprint != 0
+        for work, tensor, exchanged in self.sent:
+            work.wait()
+            if exchanged:
+                high, low = tensor.tolist()
+                agreed_all = agreed_all and high == self.fingerprint and -low == self.fingerprint
+        self.sent = []
+        if self.answer is None:
+            self.answer = agreed_all
+
+    def trailer(self, total: float, ranks: int, first: FirstBucket) -> None:
+        """The first bucket's trailer summed to ``total`` over ``ranks``: did all send it?
+        Where the answer came by it and some did not, they exchange next (``begin``): this
+        rank says 0, and none buckets."""
+        if total == ranks:
+            self.answer = True if self.answer is None else self.answer
+            if self.answer and self.ddp is not None:
+                agreed[self.ddp] = first
+            return
+        if self.answer is None:
+            self.answer = False
+            if self.ddp is not None:
+                agreed.pop(self.ddp, None)
+            self.sent.append(_exchange(self.groups[0], 0))
+
+
+def _exchange(group, fingerprint: int) -> tuple:
+    import torch.distributed as dist
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    # the group's own method, not dist.all_reduce: five frames less, and not counted among
+    # the user's all_reduce calls
+    tensor = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64)
+    return group.allreduce([tensor], options), tensor, True
+
+
+class Handshake:
+    """What a captured graph says before it runs: its plans' fingerprint, whether its first
+    bucket carries the trailer, and the input positions of one DDP hook per DDP whose hook
+    the graph calls (the DDP and its group are read from the hook at each run: they are
+    the user's, and may change flags between backwards)."""
+
+    __slots__ = ("fingerprint", "trailer", "positions")
+
+    def __init__(self, fingerprint: int, trailer: bool, positions: tuple):
+        self.fingerprint = fingerprint
+        self.trailer = trailer
+        self.positions = positions
+
+    def start(self, inputs) -> Agreement | None:
+        return begin([reducer_of(inputs[pos]) for pos in self.positions], self.fingerprint, self.trailer)
+
+
+def handshake_of(graph, sizes: int, inputs, opener) -> Handshake | None:
+    """The handshake of a captured graph whose placeholders after the first ``sizes`` are
+    ``inputs``; None where it calls no DDP hook.  ``opener``: the function that opens a
+    run of buckets, whose plans the fingerprint covers (None: the code compiled from the
+    graph calls DDP's hooks as they are)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][sizes:]
+    position = {ph: pos for pos, ph in enumerate(placeholders)}
+    plans, positions, ddps, trailer = [], [], [], False
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if opener is not None and node.target is opener:
+            plans.append(node.args)
+            trailer = trailer or node.args[1]
+        if "gradfx_allreduce" not in node.meta:
+            continue
+        for arg in node.args:
+            ddp = reducer_of(inputs[position[arg]]) if isinstance(arg, fx.Node) and arg in position else None
+            if ddp is not None:
+                if all(ddp is not seen for seen in ddps):
+                    ddps.append(ddp)
+                    positions.append(position[arg])
+                break
+    if not positions:
+        return None
+    return Handshake(fingerprint(plans) if plans else 0, trailer, tuple(positions))
+
+
+def fingerprint(plans: list) -> int:
+    """A non-zero number that the same plans give on every rank (not ``hash``: salted)."""
+    digest = hashlib.blake2b(repr(plans).encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") & ((1 << _FINGERPRINT_BITS) - 1)) | 1
+
+
+def _all_reducing(ddps) -> tuple[list, list]:
+    """(the DDPs that all-reduce in this backward, their process groups), in buckets where
+    the ranks agree: not over more than two ranks where each parameter keeps its own
+    all-reduce anyway (``ddp_buckets``: another backend than gloo's ring), as in eager."""
+    kept, groups = [], []
+    for ddp in ddps:
+        if ddp is None or not ddp.require_backward_grad_sync or ddp._comm_hooks or any(ddp is d for d in kept):
+            continue
+        group = ddp.process_group
+        size = group.size()
+        if size < 2 or (size > 2 and gloo_ring.ranks_of(group, torch.device(ddp.device_type)) != size):
+            continue
+        kept.append(ddp)
+        if all(group is not g for g in groups):
+            groups.append(group)
+    return kept, groups
+
+
+def begin(ddps, fingerprint: int, trailer: bool) -> Agreement | None:
+    """This rank's first word on a backward: nothing where its buckets carry the trailer of
+    the plan agreed; else, first, a dummy of that plan's first bucket where there is one
+    (zeros: its trailer says "not I"), then an exchange."""
+    ddps, groups = _all_reducing(ddps)
+    if not groups:
+        return None
+    ddp = ddps[0] if len(ddps) == 1 else None
+    first = agreed.get(ddp) if ddp is not None else None
+    if first is not None and trailer and first.fingerprint == fingerprint:
+        return Agreement(fingerprint, ddp, groups, [], first)
+    sent = []
+    if first is not None:
+        del agreed[ddp]
+        dummy = torch.zeros(first.numel, dtype=first.dtype, device=first.device)
+        sent.append((groups[0].allreduce([dummy]), dummy, False))
+    sent.extend(_exchange(group, fingerprint) for group in groups)
+    return Agreement(fingerprint, ddp, groups, sent)
+
+
+def before_eager_engine(tensors, inputs, accumulate_grad: bool) -> Agreement | None:
+    """A backward about to run on the eager engine inside a gradfx block: where it reaches
+    a Python-reducer DDP's hooks, this rank says it does not bucket (to be settled after
+    the engine's run: its collectives follow what it sent)."""
+    if not accumulate_grad or not initialized():
+        return None
+    return begin(_reducers_reached(tensors, inputs), 0, False)
+
+
+def _reducers_reached(tensors, inputs) -> list:
+    """The DDPs whose Python-reducer hooks the engine will call: those on the gradient
+    accumulators this backward reaches (of ``inputs`` alone where given)."""
+    wanted = None if not inputs else {id(t) for t in inputs}
+    leaves = [t for t in tensors if t.grad_fn is None and t.requires_grad]
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+            continue
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    ddps = []
+    for leaf in leaves:
+        if wanted is not None and id(leaf) not in wanted:
+            continue
+        for hook in (getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values():
+            ddp = reducer_of(hook)
+            if ddp is not None and all(ddp is not seen for seen in ddps):
+                ddps.append(ddp)
+    return ddps
