@@ -68,7 +68,30 @@ class Convs(nn.Module):
         return self.head(self.second(torch.relu(self.first(images))).mean((2, 3)))
 
 
-MODELS = {"net": Net, "branches": Branches, "convs": Convs, "wide": lambda: Wide(32)}
+class TwoDDPs(nn.Module):
+    """Net's encoder and head, each its own DDP (Python reducer) on the default group: one
+    backward reaches both, so the ranks exchange on every backward (``ddp_agreement``).
+    Built under ``optimize_ddp = "python_reducer"``; seen by the steps as one DDP."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        net = Net()
+        self.module = net
+        self.parts = nn.ModuleList([DDP(net.encoder), DDP(net.head)])
+
+    def forward(self, x):
+        return self.parts[1](self.parts[0](x))
+
+    def no_sync(self):
+        import contextlib
+        stack = contextlib.ExitStack()
+        for part in self.parts:
+            stack.enter_context(part.no_sync())
+        return stack
+
+
+MODELS = {"net": Net, "branches": Branches, "convs": Convs, "wide": lambda: Wide(32), "two_ddps": TwoDDPs}
 
 
 def _build(case, seen):
@@ -80,7 +103,7 @@ def _build(case, seen):
         module = MODELS[case.get("model", "net")]()
         if case.get("model") == "convs":
             module = module.to(memory_format=torch.channels_last)
-        model = DDP(module, **case.get("ddp", {}))
+        model = module if isinstance(module, TwoDDPs) else DDP(module, **case.get("ddp", {}))
     inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size = saved
     if case.get("user_hook") or (dist.get_rank() in case.get("user_hook_ranks", ()) and "user_hook_at" not in case):
         _add_user_hook(model, seen)
@@ -221,6 +244,8 @@ CASES = {
     "one_rank_cuts_elsewhere_later": {"user_hook_ranks": (1,), "user_hook_at": 2},
     # every rank turns to another plan at once: after the dummy, they agree on the new one
     "all_ranks_cut_elsewhere_later": {"user_hook_at": 2},
+    # one backward reaching two DDPs: an exchange every time, rank 1 on the eager engine at last
+    "two_ddps_falls_back_later": {"model": "two_ddps", "fallback_ranks": (1,), "fallback_steps": (2,)},
     # a compiling backend: the calls that complete no bucket run after their region
     "aot_eager_falls_back_later": {"backend": "aot_eager", "model": "wide", "fallback_ranks": (1,),
                                    "fallback_steps": (2,)},
@@ -231,6 +256,8 @@ CASES = {
 TURNING = {"one_rank_falls_back_later": lambda params: [[(4, 0), (4, 0), (1, params)], [(4, 0), (4, 0), (0, params)]],
            "one_rank_cuts_elsewhere_later": lambda params: [[(1, 0), (1, 0), (1, params)], [(1, 0), (1, 0), (0, params)]],
            "all_ranks_cut_elsewhere_later": lambda params: [[(1, 0), (1, 0), (2, 0)], [(1, 0), (1, 0), (2, 0)]],
+           # the exchange says no: no bucket goes out on any rank
+           "two_ddps_falls_back_later": lambda params: [[(1, 0), (1, 0), (0, params)], [(1, 0), (1, 0), (0, params)]],
            "aot_eager_falls_back_later": lambda params: [[(2, 0), (2, 0), (1, params)], [(2, 0), (2, 0), (0, params)]]}
 MORE_RANK_CASES = {"buckets": CASES["buckets"], "one_bucket": CASES["one_bucket"], "stop": CASES["stop"],
                    "channels_last": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}},
