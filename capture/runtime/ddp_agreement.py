@@ -105,16 +105,16 @@ class Agreement:
             self.answer = False
             if self.ddp is not None:
                 agreed.pop(self.ddp, None)
-            self.sent.append(_exchange(self.groups[0], 0))
+            self.sent.append(_exchange(self.groups[0], 0, first.device))
 
 
-def _exchange(group, fingerprint: int) -> tuple:
+def _exchange(group, fingerprint: int, device: torch.device) -> tuple:
     import torch.distributed as dist
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
     # the group's own method, not dist.all_reduce: five frames less, and not counted among
-    # the user's all_reduce calls
-    tensor = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64)
+    # the user's all_reduce calls; on the device DDP's gradients are on (NCCL takes no CPU)
+    tensor = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
     return group.allreduce([tensor], options), tensor, True
 
 
@@ -173,7 +173,8 @@ def _all_reducing(ddps) -> tuple[list, list]:
     """(the DDPs that all-reduce in this backward, their process groups), in buckets where
     the ranks agree: not over more than two ranks where each parameter keeps its own
     all-reduce anyway (``ddp_buckets``: another backend than gloo's ring), as in eager."""
-    kept, groups = [], []
+    kept: list = []
+    groups: list = []  # (group, the device of its first DDP's gradients)
     for ddp in ddps:
         if ddp is None or not ddp.require_backward_grad_sync or ddp._comm_hooks or any(ddp is d for d in kept):
             continue
@@ -182,8 +183,8 @@ def _all_reducing(ddps) -> tuple[list, list]:
         if size < 2 or (size > 2 and gloo_ring.ranks_of(group, torch.device(ddp.device_type)) != size):
             continue
         kept.append(ddp)
-        if all(group is not g for g in groups):
-            groups.append(group)
+        if all(group is not g for g, _ in groups):
+            groups.append((group, torch.device(ddp.device_type)))
     return kept, groups
 
 
@@ -197,14 +198,14 @@ def begin(ddps, fingerprint: int, trailer: bool) -> Agreement | None:
     ddp = ddps[0] if len(ddps) == 1 else None
     first = agreed.get(ddp) if ddp is not None else None
     if first is not None and trailer and first.fingerprint == fingerprint:
-        return Agreement(fingerprint, ddp, groups, [], first)
+        return Agreement(fingerprint, ddp, [g for g, _ in groups], [], first)
     sent = []
     if first is not None:
         del agreed[ddp]
         dummy = torch.zeros(first.numel, dtype=first.dtype, device=first.device)
-        sent.append((groups[0].allreduce([dummy]), dummy, False))
-    sent.extend(_exchange(group, fingerprint) for group in groups)
-    return Agreement(fingerprint, ddp, groups, sent)
+        sent.append((groups[0][0].allreduce([dummy]), dummy, False))
+    sent.extend(_exchange(group, fingerprint, device) for group, device in groups)
+    return Agreement(fingerprint, ddp, [g for g, _ in groups], sent)
 
 
 def before_eager_engine(tensors, inputs, accumulate_grad: bool) -> Agreement | None:
