@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from ..graph.distributed import initialized, reducer_of
+from ..torch_releases import node_token
 from . import gloo_ring
 
 _FINGERPRINT_BITS = 62
@@ -223,12 +224,13 @@ def _reducers_reached(tensors, inputs) -> list:
     wanted = None if not inputs else {id(t) for t in inputs}
     leaves = [t for t in tensors if t.grad_fn is None and t.requires_grad]
     stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen = set()
+    seen = set()  # node_token: before 2.13 a node's Python object is made anew on each read
     while stack:
         node = stack.pop()
-        if id(node) in seen:
+        token = node_token(node)
+        if token in seen:
             continue
-        seen.add(id(node))
+        seen.add(token)
         variable = getattr(node, "variable", None)  # an AccumulateGrad node
         if isinstance(variable, torch.Tensor):
             leaves.append(variable)
