@@ -525,7 +525,7 @@ class Session:
         # Where the graph may stop, the rest of the backward needs what the graph held.
         kept = continuation.Kept(inputs, entry.kept) if entry.frontiers else None
         if entry.handshake is not None:  # sent before the graph runs, answered by its first all-reduce
-            ddp_buckets.agreement = entry.handshake.start(inputs)
+            ddp_buckets.starting.agreement = entry.handshake.start(inputs)
         if entry.size_positions:
             sizes = call.sizes
             inputs = [sizes[p] for p in entry.size_positions] + inputs
@@ -590,7 +590,7 @@ class Session:
             routing.end_backward()
             torch._C._set_grad_enabled(grad_mode)
             if entry.handshake is not None:
-                agreement, ddp_buckets.agreement = ddp_buckets.agreement, None
+                agreement, ddp_buckets.starting.agreement = ddp_buckets.starting.agreement, None
                 if agreement is not None:
                     agreement.settle()  # what this rank sent, where no all-reduce waited for it
         entry.verified = True

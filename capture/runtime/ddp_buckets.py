@@ -34,6 +34,7 @@ Each gradient is eager's, bit for bit:
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
@@ -313,13 +314,13 @@ def _pieces(flat: torch.Tensor, planned: tuple, written: list, flat_grads) -> tu
 
 
 def open_buckets(plan: tuple, trailer: bool = False) -> Buckets:
-    return Buckets(plan, trailer, agreement)
+    return Buckets(plan, trailer, getattr(starting, "agreement", None))
 
 
-# The ranks' agreement of the backward now starting (set by the driver around a graph
-# that calls DDP's hook): the graph's runs of buckets open at its start, before any of
-# its hooks could start another backward.
-agreement = None
+# The ranks' agreement of the backward now starting on this thread (set by the driver
+# around a graph that calls DDP's hook): the graph's runs of buckets open at its start,
+# before any of its hooks could start another backward.
+starting = threading.local()
 
 
 # What the graph calls (the methods themselves: a frame less on every call)
