@@ -488,3 +488,19 @@ def test_ring_layout_only_where_the_gloo_order_was_checked(monkeypatch):
     assert gloo_ring.ranks_of(group, torch.device("meta")) == 0
     monkeypatch.setattr(torch_releases, "GLOO_RING_ORDER_KNOWN", False)
     assert gloo_ring.ranks_of(group, torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("dtype, ranks, kept", [(torch.float32, 4, True), (torch.bfloat16, 256, True),
+                                                (torch.bfloat16, 257, False), (torch.float16, 2049, False)])
+def test_a_trailer_is_relied_on_only_where_its_count_is_exact(dtype, ranks, kept):
+    """The trailer sums one 1 per rank in the bucket's dtype: past 256 ranks in bfloat16
+    (2048 in half) a rank's 0 could round to a full count, so such a DDP's ranks exchange on
+    every backward instead of keeping the plan they agreed on."""
+    from gradfx.capture.runtime import ddp_agreement
+
+    ddp = nn.Linear(1, 1)  # stands for the DDP the agreement is kept under
+    agreement = ddp_agreement.Agreement(7, ddp, [None], [])
+    agreement.trailer(float(ranks), ranks, ddp_agreement.FirstBucket(7, 10, dtype, torch.device("cpu")))
+    assert agreement.answer is True
+    assert (ddp in ddp_agreement.agreed) is kept
+    ddp_agreement.agreed.pop(ddp, None)

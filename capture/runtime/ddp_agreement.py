@@ -5,7 +5,7 @@ while a graph of gradfx's sends buckets (``ddp_buckets``).  Collectives pair up 
 where every rank issues the same ones: a rank whose backward falls back to the eager
 engine, or that captured a graph cut into other buckets (a hook or an opaque call on
 that rank alone), would pair a bucket with a single parameter, and gloo aborts.  No
-rank can tell beforehand what the others do, so the ranks say it, per process group:
+rank can tell beforehand what the others do, so the ranks say it (kept per DDP):
 
 * **Exchange.**  Where the ranks have not yet agreed on a plan, each sends one small
   all-reduce as the backward starts: a graph with buckets its plan's fingerprint, a
@@ -99,7 +99,7 @@ class Agreement:
         rank says 0, and none buckets."""
         if total == ranks:
             self.answer = True if self.answer is None else self.answer
-            if self.answer and self.ddp is not None:
+            if self.answer and self.ddp is not None and _counts_exactly(first.dtype, ranks):
                 agreed[self.ddp] = first
             return
         if self.answer is None:
@@ -107,6 +107,12 @@ class Agreement:
             if self.ddp is not None:
                 agreed.pop(self.ddp, None)
             self.sent.append(_exchange(self.groups[0], 0, first.device))
+
+
+def _counts_exactly(dtype: torch.dtype, ranks: int) -> bool:
+    """Is every count of ranks up to ``ranks`` exact in ``dtype`` (256 in bfloat16, 2048 in
+    half)?  Else one rank's 0 could round to a full count: such buckets always exchange."""
+    return dtype.is_floating_point and ranks <= 2 / torch.finfo(dtype).eps
 
 
 def _exchange(group, fingerprint: int, device: torch.device) -> tuple:
