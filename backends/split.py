@@ -148,7 +148,7 @@ def _completes_bucket(ready: fx.Node) -> bool:
     """Is this ``ddp_buckets.ready`` call its bucket's last member (it starts the all-reduce)?"""
     state, bucket, member = ready.args[:3]
     _, members, _, _ = state.args[0][bucket]
-    trailer = bucket == 0 and state.args[1]  # the ranks' trailer: a member no call makes ready
+    trailer = bucket == 0 and state.args[1] is not None  # the ranks' trailer: a member no call makes ready
     return member == len(members) - 1 - trailer
 
 

@@ -22,7 +22,7 @@ Before::
 After (one bucket, its last member the ranks' trailer)::
 
     buckets = open_buckets(((n_w2 + n_w1 + 1, ((0, n_w2, float32, 0), (n_w2, n_w1, float32, 0),
-                                               (n_w2 + n_w1, 1, float32, 0)), 0, ()),), True)
+                                               (n_w2 + n_w1, 1, float32, 0)), 0, ()),), 0)
     accumulate_grad(w2, g_w2); ready(buckets, 0, 0, ddp_hook, w2)
     g_h = mm(g, w2); g_w1 = mm(g_h, x)
     accumulate_grad(w1, g_w1); ready(buckets, 0, 1, ddp_hook, w1)   # starts the all-reduce
@@ -71,9 +71,10 @@ def _reads_no_grad(node: fx.Node) -> bool:
 def bucket_allreduces(graph: fx.Graph) -> None:
     members: list = []  # marked calls since the last node that may read a .grad
     first = [True]  # the backward's first bucket takes DDP's smaller cap
-    # One process group: the backward's first bucket carries the ranks' trailer
-    # (capture.runtime.ddp_agreement), one element more, summed as they all-reduce it.
-    trailer = [len({n.meta["gradfx_allreduce"].group for n in graph.nodes if _marked(n)}) == 1]
+    # One process group: each run of buckets' first bucket carries the ranks' trailer
+    # (capture.runtime.ddp_agreement), one element more, summed as they all-reduce it;
+    # the runs are numbered in the graph's order (None: no trailer).
+    trailer = [0 if len({n.meta["gradfx_allreduce"].group for n in graph.nodes if _marked(n)}) == 1 else None]
     for node in list(graph.nodes):
         if _marked(node):
             members.append(node)
@@ -120,13 +121,16 @@ def _bucket(graph: fx.Graph, members: list, before: fx.Node, first: list, traile
     for node, bucket in zip(members, where):
         slots.append((bucket, len(planned[bucket])))
         planned[bucket].append(node.meta["gradfx_allreduce"])
-    with_trailer, trailer[0] = trailer[0], False
-    if with_trailer:  # its last member, of one element
+    segment = trailer[0]
+    if segment is not None:  # the first bucket's last member, of one element
         planned[0].append(planned[0][0]._replace(numel=1))
+        trailer[0] = segment + 1
     plan = tuple(_layout(each) for each in planned)
-    # at the graph's start: a call that reads nothing, which would cut a compiled region
-    with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
-        state = graph.call_function(ddp_buckets.open_buckets, (plan, with_trailer))
+    # at the graph's start, after the runs opened before (a call that reads nothing, which
+    # would cut a compiled region)
+    with graph.inserting_before(next(n for n in graph.nodes
+                                     if n.op != "placeholder" and n.target is not ddp_buckets.open_buckets)):
+        state = graph.call_function(ddp_buckets.open_buckets, (plan, segment))
     _stamp(state, members[0])
     for node, (bucket, k) in zip(members, slots):
         hook, variable, running = node.args

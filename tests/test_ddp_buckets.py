@@ -53,6 +53,17 @@ class Branches(nn.Module):
         return self.head(torch.relu(self.b(x)) + h)
 
 
+class SharedBranches(Branches):
+    """Branches whose ``a`` also reaches the head around MaybeNone: where the custom
+    backward gives None on one rank alone, ``a`` still gets a gradient there, and eager
+    DDP's all-reduces still pair up."""
+
+    def forward(self, x):
+        y = self.a(x)
+        # MaybeNone's None reaches the product's formula: the graph stops there
+        return self.head(torch.relu(self.b(x)) + MaybeNone.apply(y * 2) + y)
+
+
 class Convs(nn.Module):
     """Convolutions in channels_last: their weights' gradients are not contiguous, and a
     bucket reads and writes them in their logical order, as the hook's all-reduce adds."""
@@ -91,7 +102,7 @@ class TwoDDPs(nn.Module):
         return stack
 
 
-MODELS = {"net": Net, "branches": Branches, "convs": Convs, "wide": lambda: Wide(32), "two_ddps": TwoDDPs}
+MODELS = {"net": Net, "branches": Branches, "shared_branches": SharedBranches, "convs": Convs, "wide": lambda: Wide(32), "two_ddps": TwoDDPs}
 
 
 def _build(case, seen):
@@ -185,7 +196,8 @@ def _steps(rank, case, under_gradfx) -> tuple:
         sync = not (case.get("no_sync") and it == 0)
         if sync and it != 1:  # no_sync: the synced step adds to the step before
             model.zero_grad()
-        MaybeNone.drop = case.get("stop", False) and it == 1
+        MaybeNone.drop = case.get("stop", False) and it == case.get("stop_step", 1) \
+            and rank in case.get("stop_ranks", range(dist.get_world_size()))
         with (model.no_sync() if not sync else torch.enable_grad()):
             loss = model(x).square().sum()
             with _Counted() as counted:
@@ -249,6 +261,11 @@ CASES = {
     # a compiling backend: the calls that complete no bucket run after their region
     "aot_eager_falls_back_later": {"backend": "aot_eager", "model": "wide", "fallback_ranks": (1,),
                                    "fallback_steps": (2,)},
+    # the graph stops on rank 1 alone, the ranks agreed by the exchange (first step) or by
+    # the trailer (third): rank 1 sends zeros for the next run's first bucket, and every
+    # rank all-reduces the rest alone
+    "stop_on_one_rank_first": {"stop": True, "model": "shared_branches", "stop_ranks": (1,), "stop_step": 0},
+    "stop_on_one_rank_later": {"stop": True, "model": "shared_branches", "stop_ranks": (1,), "stop_step": 2},
 }
 # The collectives each rank issues where ranks take different paths: (buckets, alone) per step.
 # The eager engine's rank: one per parameter (functional collectives); the bucketing rank: its
@@ -263,7 +280,8 @@ MORE_RANK_CASES = {"buckets": CASES["buckets"], "one_bucket": CASES["one_bucket"
                    "channels_last": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}},
                    "channels_last_divided_into": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}, "divide_into": 1},
                    "stop_divided_into": CASES["stop_divided_into"], "one_rank_falls_back": CASES["one_rank_falls_back"],
-                   "one_rank_falls_back_later": CASES["one_rank_falls_back_later"]}
+                   "one_rank_falls_back_later": CASES["one_rank_falls_back_later"],
+                   "stop_on_one_rank_later": CASES["stop_on_one_rank_later"]}
 
 
 def _worker(rank, world, port, cases, results):
@@ -308,6 +326,9 @@ def test_python_reducer_buckets_equal_eager(results, name):
     if name in TURNING:
         assert per_rank == TURNING[name](params), per_rank
         return
+    if name.startswith("stop_on_one_rank"):
+        _check_one_rank_stopped(name, per_rank)
+        return
     assert per_rank[0] == per_rank[1]  # the ranks' collectives pair up
     collectives = per_rank[0]
     if name == "one_bucket":
@@ -331,6 +352,17 @@ def test_python_reducer_buckets_equal_eager(results, name):
         assert collectives == [(2, 0), (2, 0), (params, 0)], collectives
     elif name in ("one_rank_falls_back", "one_rank_cuts_elsewhere"):
         assert collectives == [(0, params)] * STEPS, collectives  # each parameter alone, on every rank
+
+
+def _check_one_rank_stopped(name, per_rank) -> None:
+    """Rank 1's graph stopped at its case's step: the steps before pair up bucket for bucket;
+    at the stop it sends zeros (not counted) for the first bucket of the run the others
+    start next, then every rank all-reduces the rest alone, one per parameter each."""
+    stop = CASES[name]["stop_step"]
+    assert all(p[:stop] == per_rank[0][:stop] for p in per_rank), per_rank
+    others = [p[stop] for r, p in enumerate(per_rank) if r != 1]
+    stopped = per_rank[1][stop]
+    assert all(o[0] == stopped[0] + 1 and o[1] == stopped[1] > 0 for o in others), per_rank
 
 
 # The pieces the split backend cut each compiled graph into: (kind, bucketed calls in it).
@@ -456,7 +488,10 @@ def test_more_ranks_buckets_keep_each_parameters_order(world):
             bucketing, eager = TURNING[name](params)
             assert per_rank == [eager if r == 1 else bucketing for r in range(world)], per_rank
             continue
-        assert all(p == per_rank[0] for p in per_rank)
+        if name.startswith("stop_on_one_rank"):
+            _check_one_rank_stopped(name, per_rank)
+            continue
+        assert all(p == per_rank[0] for p in per_rank), (name, per_rank)
         if name == "one_bucket":
             assert per_rank[0] == [(1, 0)] * STEPS
         elif name in ("buckets", "channels_last", "channels_last_divided_into"):
@@ -494,13 +529,21 @@ def test_ring_layout_only_where_the_gloo_order_was_checked(monkeypatch):
                                                 (torch.bfloat16, 257, False), (torch.float16, 2049, False)])
 def test_a_trailer_is_relied_on_only_where_its_count_is_exact(dtype, ranks, kept):
     """The trailer sums one 1 per rank in the bucket's dtype: past 256 ranks in bfloat16
-    (2048 in half) a rank's 0 could round to a full count, so such a DDP's ranks exchange on
-    every backward instead of keeping the plan they agreed on."""
+    (2048 in half) a rank's 0 could round to a full count, so a full count there reads as
+    "not all": the ranks all-reduce alone rather than trust it."""
     from gradfx.capture.runtime import ddp_agreement
 
+    class Work:
+        def wait(self):
+            return True
+
+    class Group:  # what a rank that reads "not all" sends next goes nowhere here
+        def allreduce(self, tensors, options=None):
+            return Work()
+
     ddp = nn.Linear(1, 1)  # stands for the DDP the agreement is kept under
-    agreement = ddp_agreement.Agreement(7, ddp, [None], [])
-    agreement.trailer(float(ranks), ranks, ddp_agreement.FirstBucket(7, 10, dtype, torch.device("cpu")))
-    assert agreement.answer is True
+    agreement = ddp_agreement.Agreement(7, ddp, [Group()], torch.device("cpu"), [])
+    agreement.trailer(float(ranks), ranks, dtype, ddp_agreement.FirstBucket(7, 10, dtype, torch.device("cpu")))
+    assert agreement.answer is kept
     assert (ddp in ddp_agreement.agreed) is kept
     ddp_agreement.agreed.pop(ddp, None)

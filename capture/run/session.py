@@ -484,6 +484,10 @@ class Session:
     def _finish_stopped(self, entry: CompiledBackward, call: BackwardCall, stop: Diverged, keep_graph: bool, kept):
         """The graph stopped (a traced gradient None at run time): the rest runs node by node."""
         frontier = entry.frontiers[stop.frontier]
+        if entry.handshake is not None:
+            agreement = ddp_buckets.starting.agreement
+            if agreement is not None:  # the rest calls DDP's hook itself: the other ranks are told
+                agreement.turn_away()
         # Once per graph and place at INFO: a backward that stops each time runs
         # its rest at Python speed.
         level = logging.DEBUG if stop.frontier in entry.stopped else logging.INFO
@@ -525,6 +529,7 @@ class Session:
         # Where the graph may stop, the rest of the backward needs what the graph held.
         kept = continuation.Kept(inputs, entry.kept) if entry.frontiers else None
         if entry.handshake is not None:  # sent before the graph runs, answered by its first all-reduce
+            outer = getattr(ddp_buckets.starting, "agreement", None)  # a backward's, this one inside it
             ddp_buckets.starting.agreement = entry.handshake.start(inputs)
         if entry.size_positions:
             sizes = call.sizes
@@ -590,7 +595,7 @@ class Session:
             routing.end_backward()
             torch._C._set_grad_enabled(grad_mode)
             if entry.handshake is not None:
-                agreement, ddp_buckets.starting.agreement = ddp_buckets.starting.agreement, None
+                agreement, ddp_buckets.starting.agreement = ddp_buckets.starting.agreement, outer
                 if agreement is not None:
                     agreement.settle()  # what this rank sent, where no all-reduce waited for it
         entry.verified = True

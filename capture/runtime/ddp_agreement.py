@@ -14,14 +14,17 @@ rank can tell beforehand what the others do, so the ranks say it (kept per DDP):
   buckets go out only where every rank sent the same non-zero fingerprint (the
   maximum of ``(f, -f)`` over the ranks is ``(f, -f)``).
 * **Trailer.**  Once they have, a further exchange would cost each backward a
-  collective (on a machine with as many ranks as cores, a third of a millisecond of
-  the compute it interrupts).  Instead the backward's first bucket carries one
-  element more, the trailer: 1 from a rank that sends the agreed plan's buckets.  A
-  rank that does not (it falls back, or captured another plan) sends a buffer of
-  that bucket's size, zeros and a trailer of 0, as its first collective.  Every
+  collective (on a machine with as many ranks as cores, 0.6 ms of the compute it
+  interrupts: ``bench/bench_ddp_agreement.py``).  Instead the first bucket of each run
+  of buckets carries one element more, the trailer: 1 from a rank that sends the
+  agreed plan's buckets.  A rank that does not sends a buffer of that bucket's size,
+  zeros and a trailer of 0, then an exchange: a rank that falls back or captured
+  another plan in place of the backward's first bucket (``begin``), a rank whose graph
+  stopped part-way in place of the next run's (``Agreement.turn_away``).  Every
   bucket's sizes still pair up, and a trailer summing to less than the ranks tells
-  the bucketing ranks to drop that sum and all-reduce each gradient alone.  No other
-  all-reduce starts, and no foreign hook runs, before the trailer is read.
+  the bucketing ranks to drop that sum, exchange, and all-reduce each gradient alone.
+  A trailer's bucket goes out even with nothing to reduce, and no other all-reduce of
+  its run starts, and no foreign hook runs, before its trailer is read.
 * Either way, where the ranks do not agree, every rank all-reduces each parameter
   alone, in the order of its hook calls, as eager does; the next backward exchanges.
 
@@ -63,17 +66,20 @@ agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class Agreement:
     """One backward's answer: may its all-reduces go in buckets?  ``answer`` is None until
     known: from the exchanges (:meth:`settle`), or, where ``first`` (the agreed plan's
-    first bucket, this backward's too), from that bucket's trailer (``ddp_buckets``)."""
+    first bucket, this backward's too), from that bucket's trailer (``ddp_buckets``).  A
+    later run's trailer may still turn it to False: a rank's graph stopped there."""
 
-    __slots__ = ("fingerprint", "ddp", "groups", "sent", "first", "answer")
+    __slots__ = ("fingerprint", "ddp", "groups", "device", "sent", "first", "answer", "opened")
 
-    def __init__(self, fingerprint: int, ddp, groups: list, sent: list, first: FirstBucket | None = None):
+    def __init__(self, fingerprint: int, ddp, groups: list, device, sent: list, first: FirstBucket | None = None):
         self.fingerprint = fingerprint
         self.ddp = ddp  # the one DDP this backward reaches; None for several
         self.groups = groups
+        self.device = device  # where DDP's gradients are (the first group's DDP's)
         self.sent = sent  # (work, its tensor, an exchange?) per collective this rank sent
         self.first = first
         self.answer = None
+        self.opened = []  # the graph's runs of buckets, in the graph's order (ddp_buckets)
 
     @property
     def by_trailer(self) -> bool:
@@ -93,20 +99,41 @@ class Agreement:
         if self.answer is None:
             self.answer = agreed_all
 
-    def trailer(self, total: float, ranks: int, first: FirstBucket) -> None:
-        """The first bucket's trailer summed to ``total`` over ``ranks``: did all send it?
-        Where the answer came by it and some did not, they exchange next (``begin``): this
-        rank says 0, and none buckets."""
-        if total == ranks:
+    def trailer(self, total: float, ranks: int, dtype: torch.dtype, first: FirstBucket | None) -> None:
+        """A run's first bucket's trailer summed to ``total`` over ``ranks``: did all send it?
+        (``first``: the backward's first bucket, whose plan the next backward may keep.)
+        Where some did not, they exchange next (``begin``, ``turn_away``): this rank says 0,
+        and none buckets.  A count the dtype cannot hold exactly reads as "not all"."""
+        if total == ranks and _counts_exactly(dtype, ranks):
             self.answer = True if self.answer is None else self.answer
-            if self.answer and self.ddp is not None and _counts_exactly(first.dtype, ranks):
+            if self.answer and first is not None and self.ddp is not None:
                 agreed[self.ddp] = first
             return
-        if self.answer is None:
+        if self.answer is not False:
             self.answer = False
-            if self.ddp is not None:
-                agreed.pop(self.ddp, None)
-            self.sent.append(_exchange(self.groups[0], 0, first.device))
+            self.forget()
+            self.sent.append(_exchange(self.groups[0], 0, self.device))
+
+    def turn_away(self) -> None:
+        """This rank's graph stopped; the rest of its backward runs node by node, DDP's hook
+        all-reducing each parameter alone.  The other ranks' next collective is the first
+        bucket of the next run of buckets not started here: zeros in its place (a trailer of
+        0), then the exchange they make on reading it."""
+        if self.answer is False:
+            return  # every rank all-reduces alone already
+        waiting = next((b for b in self.opened if b.trailer and b.first is None), None)
+        self.answer = False
+        self.forget()
+        if waiting is None:
+            return  # no all-reduce of the graph's is left
+        total, members, _, _ = waiting.plan[0]
+        dummy = torch.zeros(total, dtype=members[0][2], device=self.device)
+        self.sent.append((self.groups[0].allreduce([dummy]), dummy, False))
+        self.sent.append(_exchange(self.groups[0], 0, self.device))
+
+    def forget(self) -> None:
+        if self.ddp is not None:
+            agreed.pop(self.ddp, None)
 
 
 def _counts_exactly(dtype: torch.dtype, ranks: int) -> bool:
@@ -155,7 +182,7 @@ def handshake_of(graph, sizes: int, inputs, opener) -> Handshake | None:
             continue
         if opener is not None and node.target is opener:
             plans.append(node.args)
-            trailer = trailer or node.args[1]
+            trailer = trailer or node.args[1] is not None
         if "gradfx_allreduce" not in node.meta:
             continue
         for arg in node.args:
@@ -204,15 +231,16 @@ def begin(ddps, fingerprint: int, trailer: bool) -> Agreement | None:
         return None
     ddp = ddps[0] if len(ddps) == 1 else None
     first = agreed.get(ddp) if ddp is not None else None
+    device = groups[0][1]
     if first is not None and trailer and first.fingerprint == fingerprint:
-        return Agreement(fingerprint, ddp, [g for g, _ in groups], [], first)
+        return Agreement(fingerprint, ddp, [g for g, _ in groups], device, [], first)
     sent = []
     if first is not None:
         del agreed[ddp]
         dummy = torch.zeros(first.numel, dtype=first.dtype, device=first.device)
         sent.append((groups[0][0].allreduce([dummy]), dummy, False))
-    sent.extend(_exchange(group, fingerprint, device) for group, device in groups)
-    return Agreement(fingerprint, ddp, [g for g, _ in groups], sent)
+    sent.extend(_exchange(group, fingerprint, d) for group, d in groups)
+    return Agreement(fingerprint, ddp, [g for g, _ in groups], device, sent)
 
 
 def before_eager_engine(tensors, inputs, accumulate_grad: bool) -> Agreement | None:

@@ -84,19 +84,25 @@ class Buckets:
     numel, dtype, width), ring, gaps): with ``ring`` 0 the members follow each other;
     else the buffer is ``[ring, numel // ring]`` and a member's chunk ``c`` is row ``c``'s
     ``width`` elements from column ``offset`` (``reorder.bucket_allreduces._layout``).
-    With ``trailer``, bucket 0's last member is the ranks' trailer (``ddp_agreement``):
-    1 from each rank that sends these buckets, which ``agreement`` decides by."""
+    With a ``segment`` (the run's index in the backward), bucket 0's last member is the
+    ranks' trailer (``ddp_agreement``): 1 from each rank that sends these buckets, which
+    ``agreement`` decides by.  Where the ranks have not turned to all-reducing alone, that
+    bucket goes out first, even with nothing to reduce, and is read before anything else of
+    the run: a rank whose graph stopped (``session``) sends zeros in its place."""
 
-    __slots__ = ("plan", "left", "group", "written", "works", "alone", "agreement", "trailer", "first")
+    __slots__ = ("plan", "left", "group", "written", "works", "alone", "agreement", "segment", "trailer",
+                 "first")
 
-    def __init__(self, plan: tuple, trailer: bool = False, agreement=None):
+    def __init__(self, plan: tuple, segment: int | None = None, agreement=None):
         self.plan = plan
         self.left = [len(members) for _, members, _, _ in plan]  # bucket -> members not yet ready
-        self.trailer = trailer
-        if trailer:
+        self.segment = segment
+        self.trailer = segment is not None
+        if self.trailer:
             self.left[0] -= 1  # no call makes the trailer ready
         self.agreement = agreement  # None: no rank's word on this backward was asked for
-        self.first = None  # the trailer's bucket's (work, buffer) from its start until read
+        # the trailer's bucket: None before it starts, its (work, buffer) until read, then False
+        self.first = None
         self.group = [None] * len(plan)  # bucket -> the process group its all-reduce goes to
         self.written = [[] for _ in plan]  # bucket -> (grad, member) of each member it reduces
         self.works = []  # (work, bucket, buffer) of the all-reduces started
@@ -143,16 +149,14 @@ class Buckets:
 
     def _may_bucket(self, bucket) -> bool:
         """Asked before starting ``bucket``'s all-reduce (None: one alone, or a foreign hook's
-        call): do the ranks send these buckets?  Where the answer comes by the trailer, its
-        bucket goes out first and is read before anything else.  Where they do not, every
-        gradient written so far is all-reduced alone, in the order of its call (buckets
-        fill in that order)."""
+        call): do the ranks send these buckets?  The trailer's bucket goes out first and is
+        read before anything else.  Where they do not, every gradient written so far is
+        all-reduced alone, in the order of its call (buckets fill in that order)."""
         agreement = self.agreement
-        if agreement.answer is None:
-            if not agreement.by_trailer:
-                agreement.settle()  # the exchange's answer
-            elif self.trailer and bucket != 0:
-                self._read_trailer()
+        if agreement.answer is None and not agreement.by_trailer:
+            agreement.settle()  # the exchange's answer
+        if agreement.answer is not False and self.trailer and self.first is not False and bucket != 0:
+            self._read_trailer()
         if agreement.answer is False:
             for b, written in enumerate(self.written):
                 for grad, _ in written:
@@ -176,8 +180,8 @@ class Buckets:
         (piece,), _ = _pieces(flat, self.plan[0], [(None, len(members) - 1)], ())
         agreement = self.agreement
         ranks = (self.group[0] or agreement.groups[0]).size()
-        agreement.trailer(piece.item(), ranks,
-                          ddp_agreement.FirstBucket(agreement.fingerprint, flat.numel(), flat.dtype, flat.device))
+        first = ddp_agreement.FirstBucket(agreement.fingerprint, flat.numel(), flat.dtype, flat.device)
+        agreement.trailer(piece.item(), ranks, flat.dtype, first if self.segment == 0 else None)
         if agreement.answer is False:
             self.works = [entry for entry in self.works if entry[1] != 0]
 
@@ -198,16 +202,15 @@ class Buckets:
         written = self.written[bucket]
         trailer = self.trailer and bucket == 0
         agreement = self.agreement
-        by_trailer = trailer and agreement is not None and agreement.by_trailer
-        if (not written and not by_trailer) or (agreement is not None and not self._may_bucket(bucket)):
+        if (not written and not (trailer and agreement is not None)) \
+                or (agreement is not None and not self._may_bucket(bucket)):
             return
         total, members, ring, gaps = self.plan[bucket]
         group = self.group[bucket] or agreement.groups[0]
         if written:
             flat = torch.empty(total, dtype=written[0][0].dtype, device=written[0][0].device)
-        else:
-            first = agreement.first
-            flat = torch.empty(total, dtype=first.dtype, device=first.device)
+        else:  # the trailer's bucket, nothing to reduce
+            flat = torch.empty(total, dtype=members[0][2], device=agreement.device)
         size = group.size()
         complete = len(written) == len(members) - trailer
         if not complete or ring:
@@ -252,8 +255,6 @@ class Buckets:
                 self._start(bucket)
         if self.agreement is not None:
             self._may_bucket(None)
-            if self.first:  # an exchange's answer: the trailer tells what the next backward may skip
-                self._read_trailer()
         works, self.works = self.works, []
         for work, bucket, flat in works:
             work.wait()
@@ -313,8 +314,12 @@ def _pieces(flat: torch.Tensor, planned: tuple, written: list, flat_grads) -> tu
     return ours, theirs
 
 
-def open_buckets(plan: tuple, trailer: bool = False) -> Buckets:
-    return Buckets(plan, trailer, getattr(starting, "agreement", None))
+def open_buckets(plan: tuple, segment: int | None = None) -> Buckets:
+    agreement = getattr(starting, "agreement", None)
+    buckets = Buckets(plan, segment, agreement)
+    if agreement is not None:
+        agreement.opened.append(buckets)
+    return buckets
 
 
 # The ranks' agreement of the backward now starting on this thread (set by the driver
