@@ -138,7 +138,7 @@ class Agreement:
 
 def _counts_exactly(dtype: torch.dtype, ranks: int) -> bool:
     """Is every count of ranks up to ``ranks`` exact in ``dtype`` (256 in bfloat16, 2048 in
-    half)?  Else one rank's 0 could round to a full count: such buckets always exchange."""
+    half)?  Else one rank's 0 could round to a full count, which therefore reads "not all"."""
     return dtype.is_floating_point and ranks <= 2 / torch.finfo(dtype).eps
 
 
@@ -153,8 +153,8 @@ def _exchange(group, fingerprint: int, device: torch.device) -> tuple:
 
 
 class Handshake:
-    """What a captured graph says before it runs: its plans' fingerprint, whether its first
-    bucket carries the trailer, and the input positions of one DDP hook per DDP whose hook
+    """What a captured graph says before it runs: its plans' fingerprint, whether its runs of
+    buckets carry the trailer, and the input positions of one DDP hook per DDP whose hook
     the graph calls (the DDP and its group are read from the hook at each run: they are
     the user's, and may change flags between backwards)."""
 
