@@ -144,11 +144,11 @@ def loss_of(name: str, model, batch):
 
 # -- wrapping -------------------------------------------------------------------------
 
-def wrap(mode: Mode, name: str, model, mesh):
+def wrap(mode: Mode, name: str, model, mesh, bucket_cap_mb=None):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     if mode.wrap == "ddp":
-        return DDP(model)
+        return DDP(model) if bucket_cap_mb is None else DDP(model, bucket_cap_mb=bucket_cap_mb)
     if mode.wrap == "ddp_python":
         # DDP reads optimize_ddp when it is built; the Python reducer also switches on
         # inductor's fusion of DDP's all-reduces for the whole process: put that back,
@@ -156,7 +156,7 @@ def wrap(mode: Mode, name: str, model, mesh):
         import torch._inductor.config as inductor_config
         saved = (inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size)
         with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
-            ddp = DDP(model)
+            ddp = DDP(model) if bucket_cap_mb is None else DDP(model, bucket_cap_mb=bucket_cap_mb)
         inductor_config._fuse_ddp_communication, inductor_config._fuse_ddp_bucket_size = saved
         return ddp
     if mode.wrap == "fsdp2":
@@ -186,10 +186,10 @@ def same_grads(a: list, b: list) -> bool:
 class Runner:
     """One mode: its own model and optimizer; its step times and gradfx's counters."""
 
-    def __init__(self, mode: Mode, name: str, mesh=None):
+    def __init__(self, mode: Mode, name: str, mesh=None, bucket_cap_mb=None):
         import torch
         self.mode, self.name = mode, name
-        self.model = wrap(mode, name, build_model(name), mesh)
+        self.model = wrap(mode, name, build_model(name), mesh, bucket_cap_mb)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.step_s: list[float] = []
         self.backward_s: list[float] = []

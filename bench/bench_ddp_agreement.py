@@ -58,13 +58,13 @@ class Unagreed(bench_ddp.Runner):
             ddp_agreement.Handshake.start = start
 
 
-def _runners(name: str) -> dict:
+def _runners(name: str, cap) -> dict:
     by_name = {m.name: m for m in bench_ddp.MODES}
     python_reducer = by_name["ddp pyreducer gradfx eager"]
-    return {MODES[0]: bench_ddp.Runner(by_name["ddp eager"], name),
-            MODES[1]: bench_ddp.Runner(python_reducer, name),
-            MODES[2]: Exchanging(python_reducer, name),
-            MODES[3]: Unagreed(python_reducer, name)}
+    return {MODES[0]: bench_ddp.Runner(by_name["ddp eager"], name, bucket_cap_mb=cap),
+            MODES[1]: bench_ddp.Runner(python_reducer, name, bucket_cap_mb=cap),
+            MODES[2]: Exchanging(python_reducer, name, bucket_cap_mb=cap),
+            MODES[3]: Unagreed(python_reducer, name, bucket_cap_mb=cap)}
 
 
 def rank_main(rank: int, world: int, port: int, args, results) -> None:
@@ -75,7 +75,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     try:
         out = {}
         for name in args.models:
-            runners = _runners(name)
+            runners = _runners(name, args.bucket_cap_mb)
             batch = bench_ddp.make_batch(name, rank)
             for _ in range(args.warmup):
                 for runner in runners.values():
@@ -93,7 +93,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         dist.destroy_process_group()
 
 
-def _entries(world: int, measured: dict) -> dict:
+def _entries(world: int, measured: dict, cap=None) -> dict:
     entries = {}
     for name, modes in measured.items():
         reference = modes[MODES[0]]
@@ -105,7 +105,7 @@ def _entries(world: int, measured: dict) -> dict:
                 entry[f"ratio_backward_{key}"] = round(modes[mode]["backward_ms"] / reference["backward_ms"], 2)
             entry["exchange_costs_backward_ms"] = round(modes[MODES[2]]["backward_ms"] - modes[MODES[1]]["backward_ms"], 2)
             entry["agreement_costs_backward_ms"] = round(modes[MODES[1]]["backward_ms"] - modes[MODES[3]]["backward_ms"], 2)
-        entries[f"{name} {world} ranks"] = entry
+        entries[f"{name} {world} ranks" + (f" bucket_cap_mb {cap}" if cap is not None else "")] = entry
     return entries
 
 
@@ -115,6 +115,9 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2_tiny"], choices=bench_ddp.MODELS)
     parser.add_argument("--steps", type=int, default=300, help="timed steps per mode (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per mode (default %(default)s)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="DDP's bucket_cap_mb in every mode (default: DDP's own; small caps make many buckets, "
+                             "each run's second waiting for its first's trailer)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
     parser.add_argument("--no-results", action="store_true", help="do not write bench/results.json")
     args = parser.parse_args(argv)
@@ -141,7 +144,7 @@ def main(argv=None) -> None:
     print(f"[bench_ddp_agreement] wall time {time.perf_counter() - start:.0f} s")
     if not args.no_results:
         import results_file
-        results_file.record("bench_ddp_agreement", _entries(args.ranks, measured), steps=args.steps,
+        results_file.record("bench_ddp_agreement", _entries(args.ranks, measured, args.bucket_cap_mb), steps=args.steps,
                             warmup=args.warmup)
 
 
