@@ -17,14 +17,15 @@ rank can tell beforehand what the others do, so the ranks say it (kept per DDP):
   collective (on a machine with as many ranks as cores, 0.6 ms of the compute it
   interrupts: ``bench/bench_ddp_agreement.py``).  Instead the first bucket of each run
   of buckets carries one element more, the trailer: 1 from a rank that sends the
-  agreed plan's buckets.  A rank that does not sends a buffer of that bucket's size,
-  zeros and a trailer of 0, then an exchange: a rank that falls back or captured
-  another plan in place of the backward's first bucket (``begin``), a rank whose graph
-  stopped part-way in place of the next run's (``Agreement.turn_away``).  Every
-  bucket's sizes still pair up, and a trailer summing to less than the ranks tells
-  the bucketing ranks to drop that sum, exchange, and all-reduce each gradient alone.
-  A trailer's bucket goes out even with nothing to reduce, and no other all-reduce of
-  its run starts, and no foreign hook runs, before its trailer is read.
+  agreed plan's buckets.  Every bucket of such a run goes out, even with nothing to
+  reduce.  A rank that does not send them sends zeros of each one's size (a trailer of
+  0), then an exchange: a rank that falls back or captured another plan in place of the
+  backward's first run (``begin``), a rank whose graph stopped part-way in place of the
+  next run it has not started (``Agreement.turn_away``).  Every size still pairs up.
+  The buckets go out as they fill; before anything else (an all-reduce alone, a foreign
+  hook, the run's end) the trailer is read, and where it sums to less than the ranks
+  the bucketing ranks drop the run's sums, send zeros for its buckets not yet started,
+  exchange, and all-reduce each gradient alone.
 * Either way, where the ranks do not agree, every rank all-reduces each parameter
   alone, in the order of its hook calls, as eager does; the next backward exchanges.
 
@@ -50,15 +51,20 @@ from . import gloo_ring
 _FINGERPRINT_BITS = 62
 
 
-class FirstBucket(NamedTuple):
-    """The first bucket of the plan a DDP's ranks last agreed on."""
+class FirstRun(NamedTuple):
+    """The first run of buckets of the plan a DDP's ranks last agreed on: what a rank that
+    turns away sends zeros of."""
     fingerprint: int
-    numel: int
-    dtype: torch.dtype
+    buckets: tuple  # (numel, dtype) of each bucket, the trailer's first
     device: torch.device
 
 
-# DDP -> the FirstBucket of the plan its ranks last all sent, for backwards that reach it
+def run_of(fingerprint: int, plan: tuple, device: torch.device) -> FirstRun:
+    """The FirstRun of a run of buckets' ``plan`` (``ddp_buckets``)."""
+    return FirstRun(fingerprint, tuple((total, members[0][2]) for total, members, _, _ in plan), device)
+
+
+# DDP -> the FirstRun of the plan its ranks last all sent, for backwards that reach it
 # alone (weak: a DDP built later at the same address starts unknown on every rank)
 agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -71,7 +77,7 @@ class Agreement:
 
     __slots__ = ("fingerprint", "ddp", "groups", "device", "sent", "first", "answer", "opened")
 
-    def __init__(self, fingerprint: int, ddp, groups: list, device, sent: list, first: FirstBucket | None = None):
+    def __init__(self, fingerprint: int, ddp, groups: list, device, sent: list, first: FirstRun | None = None):
         self.fingerprint = fingerprint
         self.ddp = ddp  # the one DDP this backward reaches; None for several
         self.groups = groups
@@ -99,37 +105,45 @@ class Agreement:
         if self.answer is None:
             self.answer = agreed_all
 
-    def trailer(self, total: float, ranks: int, dtype: torch.dtype, first: FirstBucket | None) -> None:
-        """A run's first bucket's trailer summed to ``total`` over ``ranks``: did all send it?
-        (``first``: the backward's first bucket, whose plan the next backward may keep.)
-        Where some did not, they exchange next (``begin``, ``turn_away``): this rank says 0,
-        and none buckets.  A count the dtype cannot hold exactly reads as "not all"."""
+    def trailer(self, total: float, ranks: int, dtype: torch.dtype, first: FirstRun | None) -> bool:
+        """A run's trailer summed to ``total`` over ``ranks``: did all send its buckets?
+        (``first``: the backward's first run, whose plan the next backward may keep.)  Where
+        some did not, none buckets from here: the caller sends zeros for the run's buckets it
+        has not started, then :meth:`say_no`.  A count the dtype cannot hold exactly reads
+        as "not all"."""
         if total == ranks and _counts_exactly(dtype, ranks):
             self.answer = True if self.answer is None else self.answer
             if self.answer and first is not None and self.ddp is not None:
                 agreed[self.ddp] = first
-            return
-        if self.answer is not False:
-            self.answer = False
-            self.forget()
-            self.sent.append(_exchange(self.groups[0], 0, self.device))
+            return True
+        self.answer = False
+        self.forget()
+        return False
+
+    def send_zeros(self, numel: int, dtype: torch.dtype) -> None:
+        """Zeros in place of a bucket: its size pairs up, its trailer (if any) says "not I"."""
+        zeros = torch.zeros(numel, dtype=dtype, device=self.device)
+        self.sent.append((self.groups[0].allreduce([zeros]), zeros, False))
+
+    def say_no(self) -> None:
+        """The exchange that follows a run some rank turned away from: this rank says 0."""
+        self.sent.append(_exchange(self.groups[0], 0, self.device))
 
     def turn_away(self) -> None:
         """This rank's graph stopped; the rest of its backward runs node by node, DDP's hook
-        all-reducing each parameter alone.  The other ranks' next collective is the first
-        bucket of the next run of buckets not started here: zeros in its place (a trailer of
-        0), then the exchange they make on reading it."""
+        all-reducing each parameter alone.  The other ranks' next collectives are the buckets
+        of the next run of buckets not started here: zeros in their place (a trailer of 0),
+        then the exchange they make on reading it."""
         if self.answer is False:
             return  # every rank all-reduces alone already
-        waiting = next((b for b in self.opened if b.trailer and b.first is None), None)
+        waiting = next((b for b in self.opened if b.trailer and not any(b.launched)), None)
         self.answer = False
         self.forget()
         if waiting is None:
             return  # no all-reduce of the graph's is left
-        total, members, _, _ = waiting.plan[0]
-        dummy = torch.zeros(total, dtype=members[0][2], device=self.device)
-        self.sent.append((self.groups[0].allreduce([dummy]), dummy, False))
-        self.sent.append(_exchange(self.groups[0], 0, self.device))
+        for total, members, _, _ in waiting.plan:
+            self.send_zeros(total, members[0][2])
+        self.say_no()
 
     def forget(self) -> None:
         if self.ddp is not None:
@@ -235,10 +249,11 @@ def begin(ddps, fingerprint: int, trailer: bool) -> Agreement | None:
     if first is not None and trailer and first.fingerprint == fingerprint:
         return Agreement(fingerprint, ddp, [g for g, _ in groups], device, [], first)
     sent = []
-    if first is not None:
+    if first is not None:  # zeros for each bucket of the agreed plan's first run
         del agreed[ddp]
-        dummy = torch.zeros(first.numel, dtype=first.dtype, device=first.device)
-        sent.append((groups[0][0].allreduce([dummy]), dummy, False))
+        for numel, dtype in first.buckets:
+            zeros = torch.zeros(numel, dtype=dtype, device=first.device)
+            sent.append((groups[0][0].allreduce([zeros]), zeros, False))
     sent.extend(_exchange(group, fingerprint, d) for group, d in groups)
     return Agreement(fingerprint, ddp, [g for g, _ in groups], device, sent)
 

@@ -86,12 +86,13 @@ class Buckets:
     ``width`` elements from column ``offset`` (``reorder.bucket_allreduces._layout``).
     With a ``segment`` (the run's index in the backward), bucket 0's last member is the
     ranks' trailer (``ddp_agreement``): 1 from each rank that sends these buckets, which
-    ``agreement`` decides by.  Where the ranks have not turned to all-reducing alone, that
-    bucket goes out first, even with nothing to reduce, and is read before anything else of
-    the run: a rank whose graph stopped (``session``) sends zeros in its place."""
+    ``agreement`` decides by.  Where the ranks have not turned to all-reducing alone, every
+    bucket of such a run goes out, even with nothing to reduce (a rank that turns away sends
+    zeros of each one's size), and the trailer is read before anything else than these
+    buckets: an all-reduce alone, a foreign hook, the run's end."""
 
     __slots__ = ("plan", "left", "group", "written", "works", "alone", "agreement", "segment", "trailer",
-                 "first")
+                 "first", "launched")
 
     def __init__(self, plan: tuple, segment: int | None = None, agreement=None):
         self.plan = plan
@@ -103,6 +104,7 @@ class Buckets:
         self.agreement = agreement  # None: no rank's word on this backward was asked for
         # the trailer's bucket: None before it starts, its (work, buffer) until read, then False
         self.first = None
+        self.launched = [False] * len(plan)  # bucket -> its all-reduce started (or zeros sent for it)
         self.group = [None] * len(plan)  # bucket -> the process group its all-reduce goes to
         self.written = [[] for _ in plan]  # bucket -> (grad, member) of each member it reduces
         self.works = []  # (work, bucket, buffer) of the all-reduces started
@@ -148,14 +150,15 @@ class Buckets:
         self.alone.append((grad, fcol.all_reduce(grad / group.size(), "sum", group)))
 
     def _may_bucket(self, bucket) -> bool:
-        """Asked before starting ``bucket``'s all-reduce (None: one alone, or a foreign hook's
-        call): do the ranks send these buckets?  The trailer's bucket goes out first and is
-        read before anything else.  Where they do not, every gradient written so far is
-        all-reduced alone, in the order of its call (buckets fill in that order)."""
+        """Asked before starting ``bucket``'s all-reduce (None: one alone, a foreign hook's
+        call, the run's end): do the ranks send these buckets?  The run's buckets go out as
+        they fill; anything else waits for the trailer.  Where they do not, every gradient
+        written so far is all-reduced alone, in the order of its call (buckets fill in that
+        order)."""
         agreement = self.agreement
         if agreement.answer is None and not agreement.by_trailer:
             agreement.settle()  # the exchange's answer
-        if agreement.answer is not False and self.trailer and self.first is not False and bucket != 0:
+        if bucket is None and agreement.answer is not False and self.trailer and self.first is not False:
             self._read_trailer()
         if agreement.answer is False:
             for b, written in enumerate(self.written):
@@ -167,11 +170,12 @@ class Buckets:
 
     def _read_trailer(self) -> None:
         """Start the trailer's bucket if it has not started (later members go alone), wait
-        for it and read its trailer: where it tells that not every rank sent it, its sum is
-        dropped, and each of its members is all-reduced alone."""
+        for it and read its trailer.  Where it tells that not every rank sent the buckets,
+        their sums are dropped, zeros go out for the run's buckets not started (as the rank
+        that turned away sent for each), then the exchange, and each gradient is
+        all-reduced alone."""
         if self.first is None:
-            if self.left[0] > 0:
-                self.left[0] = -self.left[0]  # closed: see ready
+            self._close(0)
             self._start(0)
         work, flat = self.first
         self.first = False
@@ -180,10 +184,21 @@ class Buckets:
         (piece,), _ = _pieces(flat, self.plan[0], [(None, len(members) - 1)], ())
         agreement = self.agreement
         ranks = (self.group[0] or agreement.groups[0]).size()
-        first = ddp_agreement.FirstBucket(agreement.fingerprint, flat.numel(), flat.dtype, flat.device)
-        agreement.trailer(piece.item(), ranks, flat.dtype, first if self.segment == 0 else None)
-        if agreement.answer is False:
-            self.works = [entry for entry in self.works if entry[1] != 0]
+        run = ddp_agreement.run_of(agreement.fingerprint, self.plan, flat.device) if self.segment == 0 else None
+        if agreement.trailer(piece.item(), ranks, flat.dtype, run):
+            return
+        self.works = []
+        for bucket, planned in enumerate(self.plan):
+            if not self.launched[bucket]:
+                self._close(bucket)
+                self.launched[bucket] = True
+                agreement.send_zeros(planned[0], planned[1][0][2])
+        agreement.say_no()
+
+    def _close(self, bucket: int) -> None:
+        """No later member joins the bucket: it starts with what it has (see ready)."""
+        if self.left[bucket] > 0:
+            self.left[bucket] = -self.left[bucket]
 
     def _done(self, bucket: int) -> None:
         self.left[bucket] -= 1
@@ -197,19 +212,19 @@ class Buckets:
         Members of some size are divided straight into the buffer, one pass over the memory
         (the C++ reducer's copy divides as it copies too); many small ones are copied in one
         call and the buffer divided after, two passes where per-member calls would cost more.
-        The trailer's bucket goes out where the answer comes by it, even with nothing to
-        reduce: the ranks' sizes pair up."""
+        In a run with the trailer every bucket goes out, even with nothing to reduce: the
+        ranks' sizes pair up."""
         written = self.written[bucket]
         trailer = self.trailer and bucket == 0
         agreement = self.agreement
-        if (not written and not (trailer and agreement is not None)) \
+        if self.launched[bucket] or (not written and not (self.trailer and agreement is not None)) \
                 or (agreement is not None and not self._may_bucket(bucket)):
             return
         total, members, ring, gaps = self.plan[bucket]
         group = self.group[bucket] or agreement.groups[0]
         if written:
             flat = torch.empty(total, dtype=written[0][0].dtype, device=written[0][0].device)
-        else:  # the trailer's bucket, nothing to reduce
+        else:  # a bucket of a run with the trailer, nothing to reduce
             flat = torch.empty(total, dtype=members[0][2], device=agreement.device)
         size = group.size()
         complete = len(written) == len(members) - trailer
@@ -240,6 +255,7 @@ class Buckets:
         import torch.distributed as dist
         work = dist.all_reduce(flat, group=group, async_op=True)
         self.works.append((work, bucket, flat))
+        self.launched[bucket] = True
         if trailer:
             self.first = (work, flat)
 
@@ -249,9 +265,10 @@ class Buckets:
         A bucket some of whose members are still to come (a hook that is not DDP's ran
         between them) starts now; its later members are reduced on their own.  The ranks'
         word is had first (:meth:`_may_bucket`)."""
+        every = self.trailer and self.agreement is not None  # each bucket goes out
         for bucket in range(len(self.plan)):
-            if self.left[bucket] > 0 and self.written[bucket]:
-                self.left[bucket] = -self.left[bucket]  # closed: see ready
+            if not self.launched[bucket] and (self.written[bucket] or every):
+                self._close(bucket)
                 self._start(bucket)
         if self.agreement is not None:
             self._may_bucket(None)
