@@ -35,6 +35,12 @@ class CompileFailedAtRun(Exception):
         self.error = err
 
 
+def gets_captured_graph(fn: Backend, plain: bool = False) -> bool:
+    """Does ``fn`` compile the graph as captured (gradfx's runtime calls, DDP's buckets
+    among them), rather than the form compilers trace whole (``traceable``)?"""
+    return plain or getattr(fn, "_gradfx_plain_graph", False)
+
+
 def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list, plain: bool = False) -> Callable:
     """Compile ``gm`` with a backend (two-argument protocol, or one-argument).
 
@@ -43,7 +49,7 @@ def compile_with(fn: Backend, gm: fx.GraphModule, example_inputs: list, plain: b
     is called through the adapter of that form's inputs.  ``plain``: every backend
     gets the graph as captured (create_graph graphs: the traced form drops history).
     """
-    if plain or getattr(fn, "_gradfx_plain_graph", False):
+    if gets_captured_graph(fn, plain):
         return _call(fn, gm, example_inputs)
     from .traceable import prepare
     traced_gm, adapt = prepare(gm, example_inputs)

@@ -74,12 +74,12 @@ def bucket_allreduces(graph: fx.Graph) -> None:
     # One process group: each run of buckets' first bucket carries the ranks' trailer
     # (capture.runtime.ddp_agreement), one element more, summed as they all-reduce it;
     # the runs are numbered in the graph's order (None: no trailer).
-    trailer = [0 if len({n.meta["gradfx_allreduce"].group for n in graph.nodes if _marked(n)}) == 1 else None]
+    next_run = [0 if len({n.meta["gradfx_allreduce"].group for n in graph.nodes if _marked(n)}) == 1 else None]
     for node in list(graph.nodes):
         if _marked(node):
             members.append(node)
         elif members and not _reads_no_grad(node):
-            _bucket(graph, members, node, first, trailer)
+            _bucket(graph, members, node, first, next_run)
             members = []
 
 
@@ -114,17 +114,17 @@ def _layout(planned: list) -> tuple:
     return ring * row, members, ring, gloo_ring.gaps(row, places, numels, ring)
 
 
-def _bucket(graph: fx.Graph, members: list, before: fx.Node, first: list, trailer: list) -> None:
+def _bucket(graph: fx.Graph, members: list, before: fx.Node, first: list, next_run: list) -> None:
     where = _plan(members, first)
     planned = [[] for _ in range(where[-1] + 1)]
     slots = []
     for node, bucket in zip(members, where):
         slots.append((bucket, len(planned[bucket])))
         planned[bucket].append(node.meta["gradfx_allreduce"])
-    segment = trailer[0]
+    segment = next_run[0]
     if segment is not None:  # the first bucket's last member, of one element
         planned[0].append(planned[0][0]._replace(numel=1))
-        trailer[0] = segment + 1
+        next_run[0] = segment + 1
     plan = tuple(_layout(each) for each in planned)
     # at the graph's start, after the runs opened before (a call that reads nothing, which
     # would cut a compiled region)

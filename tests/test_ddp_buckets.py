@@ -535,7 +535,7 @@ def test_a_trailer_is_relied_on_only_where_its_count_is_exact(dtype, ranks, kept
     from gradfx.capture.runtime import ddp_agreement
 
     ddp = nn.Linear(1, 1)  # stands for the DDP the agreement is kept under
-    agreement = ddp_agreement.Agreement(7, ddp, [None], torch.device("cpu"), [])
+    agreement = ddp_agreement.Agreement(7, ddp, [None], ddp, [])
     all_sent = agreement.trailer(float(ranks), ranks, dtype,
                                  ddp_agreement.FirstRun(7, ((10, dtype),), torch.device("cpu")))
     assert all_sent is kept and agreement.answer is kept

@@ -544,7 +544,6 @@ bool value(PyObject* x, const Step& step, const Program& p, std::vector<int64_t>
   return same == 1;
 }
 
-
 // The leaf's tensor hooks: the lines' cheap condition (none), else they decide.  A plain
 // Tensor or Parameter's attributes are its fields, which their getters return (None for
 // an empty one; no __torch_function__ runs for these types); others go by attribute.

@@ -358,7 +358,7 @@ class Session:
         entry.in_engine_task = any(spec.native_post for spec in call.hooks.values())
         if call.hooks and distributed.initialized():
             # A compiler given the traced form gets DDP's hooks as they are, not the buckets.
-            bucketed = self._config.plain_graph or call.create_graph
+            bucketed = backends.gets_captured_graph(self._config.backend_fn, call.create_graph)
             entry.handshake = ddp_agreement.handshake_of(captured.graph_module.graph, len(made.size_positions),
                                                          call.inputs, ddp_buckets.open_buckets if bucketed else None)
         cache.put(structure, call.sizes, entry, dynamic=bool(made.size_positions))

@@ -75,13 +75,13 @@ class Agreement:
     first bucket, this backward's too), from that bucket's trailer (``ddp_buckets``).  A
     later run's trailer may still turn it to False: a rank's graph stopped there."""
 
-    __slots__ = ("fingerprint", "ddp", "groups", "device", "sent", "first", "answer", "opened")
+    __slots__ = ("fingerprint", "ddp", "groups", "owner", "sent", "first", "answer", "opened")
 
-    def __init__(self, fingerprint: int, ddp, groups: list, device, sent: list, first: FirstRun | None = None):
+    def __init__(self, fingerprint: int, ddp, groups: list, owner, sent: list, first: FirstRun | None = None):
         self.fingerprint = fingerprint
         self.ddp = ddp  # the one DDP this backward reaches; None for several
         self.groups = groups
-        self.device = device  # where DDP's gradients are (the first group's DDP's)
+        self.owner = owner  # the first group's DDP: where its gradients are (``device``)
         self.sent = sent  # (work, its tensor, an exchange?) per collective this rank sent
         self.first = first
         self.answer = None
@@ -90,6 +90,11 @@ class Agreement:
     @property
     def by_trailer(self) -> bool:
         return self.first is not None
+
+    @property
+    def device(self) -> torch.device:
+        """Where what this rank sends goes (made when something is sent, not per backward)."""
+        return torch.device(self.owner.device_type)
 
     def settle(self) -> None:
         """Wait for what this rank sent; an exchange's answer is known then."""
@@ -107,7 +112,8 @@ class Agreement:
 
     def trailer(self, total: float, ranks: int, dtype: torch.dtype, first: FirstRun | None) -> bool:
         """A run's trailer summed to ``total`` over ``ranks``: did all send its buckets?
-        (``first``: the backward's first run, whose plan the next backward may keep.)  Where
+        (``first``: the backward's first run where an exchange agreed on its plan, which the
+        next backward may then keep; None where it is kept already, or for a later run.)  Where
         some did not, none buckets from here: the caller sends zeros for the run's buckets it
         has not started, then :meth:`say_no`.  A count the dtype cannot hold exactly reads
         as "not all"."""
@@ -222,7 +228,7 @@ def _all_reducing(ddps) -> tuple[list, list]:
     the ranks agree: not over more than two ranks where each parameter keeps its own
     all-reduce anyway (``ddp_buckets``: another backend than gloo's ring), as in eager."""
     kept: list = []
-    groups: list = []  # (group, the device of its first DDP's gradients)
+    groups: list = []  # (group, its first DDP)
     for ddp in ddps:
         if ddp is None or not ddp.require_backward_grad_sync or ddp._comm_hooks or any(ddp is d for d in kept):
             continue
@@ -232,7 +238,7 @@ def _all_reducing(ddps) -> tuple[list, list]:
             continue
         kept.append(ddp)
         if all(group is not g for g, _ in groups):
-            groups.append((group, torch.device(ddp.device_type)))
+            groups.append((group, ddp))
     return kept, groups
 
 
@@ -245,17 +251,17 @@ def begin(ddps, fingerprint: int, trailer: bool) -> Agreement | None:
         return None
     ddp = ddps[0] if len(ddps) == 1 else None
     first = agreed.get(ddp) if ddp is not None else None
-    device = groups[0][1]
+    owner = groups[0][1]
     if first is not None and trailer and first.fingerprint == fingerprint:
-        return Agreement(fingerprint, ddp, [g for g, _ in groups], device, [], first)
+        return Agreement(fingerprint, ddp, [groups[0][0]], owner, [], first)
     sent = []
     if first is not None:  # zeros for each bucket of the agreed plan's first run
         del agreed[ddp]
         for numel, dtype in first.buckets:
             zeros = torch.zeros(numel, dtype=dtype, device=first.device)
             sent.append((groups[0][0].allreduce([zeros]), zeros, False))
-    sent.extend(_exchange(group, fingerprint, d) for group, d in groups)
-    return Agreement(fingerprint, ddp, [g for g, _ in groups], device, sent)
+    sent.extend(_exchange(group, fingerprint, torch.device(d.device_type)) for group, d in groups)
+    return Agreement(fingerprint, ddp, [g for g, _ in groups], owner, sent)
 
 
 def before_eager_engine(tensors, inputs, accumulate_grad: bool) -> Agreement | None:

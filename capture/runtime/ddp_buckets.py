@@ -102,7 +102,7 @@ class Buckets:
         if self.trailer:
             self.left[0] -= 1  # no call makes the trailer ready
         self.agreement = agreement  # None: no rank's word on this backward was asked for
-        # the trailer's bucket: None before it starts, its (work, buffer) until read, then False
+        # the trailer's bucket: None before it starts, its (work, buffer, trailer) until read, then False
         self.first = None
         self.launched = [False] * len(plan)  # bucket -> its all-reduce started (or zeros sent for it)
         self.group = [None] * len(plan)  # bucket -> the process group its all-reduce goes to
@@ -177,14 +177,13 @@ class Buckets:
         if self.first is None:
             self._close(0)
             self._start(0)
-        work, flat = self.first
+        work, flat, piece = self.first
         self.first = False
         work.wait()
-        _, members, _, _ = self.plan[0]
-        (piece,), _ = _pieces(flat, self.plan[0], [(None, len(members) - 1)], ())
         agreement = self.agreement
         ranks = (self.group[0] or agreement.groups[0]).size()
-        run = ddp_agreement.run_of(agreement.fingerprint, self.plan, flat.device) if self.segment == 0 else None
+        run = ddp_agreement.run_of(agreement.fingerprint, self.plan, flat.device) \
+            if self.segment == 0 and not agreement.by_trailer else None  # kept already where by_trailer
         if agreement.trailer(piece.item(), ranks, flat.dtype, run):
             return
         self.works = []
@@ -251,13 +250,14 @@ class Buckets:
                     torch._foreach_copy_(into, values)
             flat.div_(size)
         if trailer:
-            _pieces(flat, self.plan[0], [(None, len(members) - 1)], ())[0][0].fill_(1)
+            (piece,), _ = _pieces(flat, self.plan[0], [(None, len(members) - 1)], ())
+            piece.fill_(1)
         import torch.distributed as dist
         work = dist.all_reduce(flat, group=group, async_op=True)
         self.works.append((work, bucket, flat))
         self.launched[bucket] = True
         if trailer:
-            self.first = (work, flat)
+            self.first = (work, flat, piece)
 
     def finish(self) -> None:
         """Wait for every all-reduce started and copy each sum into its ``.grad``.
