@@ -678,7 +678,8 @@ def _same_walk(one_call, lines):
     assert len(nodes) == len(nodes2) and all(x is y for x, y in zip(nodes, nodes2))
     assert [(type(o), getattr(o, "offsets", None), getattr(o, "mask", None)) for o in owned] == \
         [(type(o), getattr(o, "offsets", None), getattr(o, "mask", None)) for o in owned2]
-    assert all(o.node is p.node for o, p in zip(owned, owned2) if o is not None)
+    assert all(getattr(o, "node", None) is getattr(p, "node", None) for o, p in zip(owned, owned2) if o is not None)
+    assert [len(getattr(o, "variables", ())) for o in owned] == [len(getattr(o, "variables", ())) for o in owned2]
     _same_inputs(inputs, inputs2, nodes2)
     assert sizes == sizes2 and seq == seq2
 
@@ -765,13 +766,140 @@ def test_the_one_call_walk_leaves_what_it_cannot_see_to_its_lines(request):
     assert torch.equal(x.grad, eager_x.grad)
 
 
-def test_structures_with_hooks_or_custom_functions_keep_their_lines(request):
+def test_structures_with_node_hooks_or_traced_functions_keep_their_lines(request):
     _compiled_only(request)
     x = torch.randn(3, requires_grad=True)
     with gradfx.compiled_autograd():
-        Double.apply(x).sum().backward()
+        y = x * 2
+        y.grad_fn.register_prehook(lambda gs: None)
+        y.sum().backward()
     walker = _walker()
     assert walker.lines is walker and not hasattr(walker, "program")
+    gradfx.reset()
+    with gradfx.compiled_autograd():
+        gradfx.traceable(_Traced).apply(x).sum().backward()
+    walker = _walker()
+    assert walker.lines is walker and not hasattr(walker, "program")
+
+
+class _Traced(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.exp()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.exp()
+
+
+class _Gated(torch.autograd.Function):
+    """An opaque custom Function whose saved tensor stays with its node (saved.Untouched)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (x > 0)
+
+
+class _Passed(torch.autograd.Function):
+    """Another class of the same node shape: the call's C++ type check cannot tell it from
+    _Gated (both are PyNodes), the Python check does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 1
+
+
+def _layered(log, hooked=(0,), function=_Gated):
+    """FSDP2's shape of graph: an opaque custom Function per layer and a tensor pre-hook on
+    the chosen layers' outputs, registered anew on every forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+
+    def loss_of(x):
+        h = x
+        for k, layer in enumerate(model):
+            h = layer(function.apply(h) if k else h)
+            if k in hooked:
+                h.register_hook(lambda g, k=k: log.append((k, g.clone())))
+        return h.square().sum()
+    return model, loss_of
+
+
+def test_the_one_call_walk_takes_opaque_functions_and_tensor_pre_hooks(request):
+    """Custom Functions' nodes checked in Python from the call, and tensor pre-hooks found
+    from the registry's side: the call answers as the lines do, hooks filled in."""
+    _compiled_only(request)
+    log = []
+    model, loss_of = _layered(log, hooked=(0, 2))
+    for _ in range(2):
+        with gradfx.compiled_autograd():
+            loss_of(torch.randn(4, 6)).backward()
+    walker = _walker()
+    assert walker.program is not None
+    loss, grad = loss_of(torch.randn(4, 6)), torch.ones(())
+    gc.collect()
+    live = dict(hooks._node_dicts)  # node hooks of earlier tests' live graphs send a walker to its lines
+    hooks._node_dicts.clear()
+    try:
+        found = walker((loss,), (grad,), (), True)
+    finally:
+        hooks._node_dicts.update(live)
+    assert found is not None and type(found[0]) is not list  # the one-call walk answered
+    _same_walk(found, walker.lines((loss,), (grad,), (), True))
+    assert sum(type(o).__name__ == "Untouched" for o in found[1]) == 2
+    assert sum(callable(x) and not isinstance(x, torch.Tensor) for x in found[2]) == 2  # the two hooks
+
+
+@pytest.mark.parametrize("change", ["none", "hook elsewhere", "one more hook", "no hook", "other function"])
+def test_hits_of_functions_and_tensor_pre_hooks_stay_eagers(change, request):
+    """Every step bitwise eager's, hooks called as in eager; a step whose hooks or Function
+    differ from the captured ones is not taken as a hit of that structure."""
+    captures = 1 if change == "none" else 2
+
+    def build(log):
+        step_no = [0]
+        model, plain = _layered(log)
+        changed = {"hook elsewhere": dict(hooked=(1,)), "one more hook": dict(hooked=(0, 1)),
+                   "no hook": dict(hooked=()), "other function": dict(function=_Passed)}.get(change, {})
+        other = _layered(log, **changed)[1]
+
+        def step():
+            k = step_no[0]
+            step_no[0] += 1
+            model.zero_grad(set_to_none=True)
+            (other if k == 2 else plain)(torch.randn(4, 6)).backward()  # the third step differs
+        return list(model.parameters()), step
+    with _Taken() as taken:
+        run_both(build, iterations=5, expect_captures=captures, strict=True)
+    assert taken.count == 5 - captures
+
+
+def test_a_second_backward_through_an_opaque_function_raises_eagers_error_from_the_call(request):
+    _compiled_only(request)
+    model, loss_of = _layered([], hooked=())
+    for _ in range(2):
+        with gradfx.compiled_autograd():
+            loss_of(torch.randn(4, 6)).backward()
+    loss = loss_of(torch.randn(4, 6))
+    with gradfx.compiled_autograd():
+        loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        with gradfx.compiled_autograd():
+            loss.backward()
 
 
 def test_a_node_the_trace_ran_opaque_gets_its_object_from_the_one_call_walk(monkeypatch, request):

@@ -15,8 +15,8 @@ from the same specifications (``kinds``) the generic walk follows:
 Any difference returns None and the generic walk runs instead, so a generated
 walker can only be faster, never different.  Graphs with several roots, hooks,
 ``inputs=`` or distributed training take it too.  For structures of builtin nodes and
-leaves alone, the same walk runs first as one C++ call (``walk_program``); these lines
-answer wherever it does not.
+leaves (and the few custom Functions and tensor pre-hooks FSDP2 adds), the same walk
+runs first as one C++ call (``walk_program``); these lines answer wherever it does not.
 """
 
 from __future__ import annotations
@@ -181,16 +181,18 @@ def generate(call: BackwardCall, tensors, structure):
 
 def _with_program(lines, planned: tuple, call: BackwardCall):
     """The walker that runs the whole walk as one C++ call (walk_program), its lines where
-    that answers None and wherever hooks may be live."""
+    that answers None and wherever hooks other than tensor pre-hooks may be live."""
     run = _native("program")
-    program, foreign, alone = planned
+    program, foreign, alone, tensor_hooked = planned
     reducer_hook_alone = distributed.reducer_hook_alone
+    tensor_pre_of_walk = hooks.tensor_pre_of_walk
     roots = len(call.roots)
+    hooked_nodes = {i for i, _, _ in tensor_hooked}
     pre, retained, node_dicts = hooks.none_possible()
 
     def fast_walk(tensors, grads, inputs, accumulate):
         if (accumulate is True and len(tensors) == roots and len(grads) == roots and not inputs
-                and not (pre or retained or node_dicts)):
+                and not (retained or node_dicts) and (pre or not tensor_hooked)):
             found = run(tensors, grads, program)
             if found is not None:
                 if alone:  # the key's part the call leaves to Python (walk_program.plan)
@@ -198,6 +200,18 @@ def _with_program(lines, planned: tuple, call: BackwardCall):
                     for k, expected in alone:
                         if reducer_hook_alone(hooks_in[k]) is not expected:
                             return lines(tensors, grads, inputs, accumulate)
+                if pre:  # tensor pre-hooks: on the expected nodes alone, of the expected shape
+                    live = tensor_pre_of_walk(found[0], found[4])
+                    if live.keys() != hooked_nodes:
+                        return lines(tensors, grads, inputs, accumulate)
+                    filled = found[2]
+                    for i, key, start in tensor_hooked:
+                        hooked = live[i]
+                        if tuple((nr, len(c)) for nr, c in hooked) != key:
+                            return lines(tensors, grads, inputs, accumulate)
+                        for _, callables in hooked:
+                            filled[start:start + len(callables)] = callables
+                            start += len(callables)
                 if foreign:  # hooked saved tensors: the user's (not gradfx's, not released)?
                     nodes, owned = found[0], found[1]
                     for i, raws in foreign:

@@ -295,11 +295,10 @@ def collect(node, variable, retained, active: WalkState | None) -> Found | None:
         return found
     entry = _tensor_pre.get(node_token(node)) if _tensor_pre else None
     if entry is not None and entry.witness == _witness(node):
-        for nr, ref in entry.dicts:
-            d = ref()
-            if d:
-                found = found or Found(leaf)
-                found.tensor_pre.append((nr, list(d.values())))
+        tensor_pre = _callables(entry)
+        if tensor_pre:
+            found = found or Found(leaf)
+            found.tensor_pre += tensor_pre
     if retained:
         found = found or Found(leaf)
         found.retain = list(retained)
@@ -312,6 +311,35 @@ def collect(node, variable, retained, active: WalkState | None) -> Found | None:
             found = found or Found(leaf)
             found.pre = list(pre.values()) if pre else ()
             found.post = list(post.values()) if post else ()
+    return found
+
+
+def _callables(entry: _TensorHooks) -> list:
+    """(output_nr, [callables]) per hooked output of the entry's node, in registration order."""
+    return [(nr, list(d.values())) for nr, ref in entry.dicts if (d := ref())]
+
+
+def tensor_pre_of_walk(nodes, seq) -> dict:
+    """node index -> [(output_nr, [callables])] of the walk's nodes with tensor pre-hooks,
+    as ``collect`` finds them, found from the registry's side: each entry's witness names
+    the nodes of the walk it may be (by sequence number, ``seq``), and only those are
+    asked for their token.  No object is made for the walk's other nodes (``nodes`` may
+    make them when asked: a one-call walk's)."""
+    found = {}
+    for key, entry in list(_tensor_pre.items()):  # a weakref callback may prune it meanwhile
+        node_type, number = entry.witness
+        k = -1
+        while True:
+            try:
+                k = seq.index(number, k + 1)
+            except ValueError:
+                break
+            node = nodes[k]
+            if type(node) is node_type and node_token(node) == key:
+                callables = _callables(entry)
+                if callables:
+                    found[k] = callables
+                break
     return found
 
 

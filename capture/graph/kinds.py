@@ -856,6 +856,29 @@ class FunctionKind:
             emit_saved_check(src, i, node, info, call)
         src.hook_lists[i] = emit_hooks(src, i, call.records[i], None)
 
+    def checker(self, node, owner):
+        """``check`` as one callable, for the one-call walk (walk_program): for a node that
+        runs as itself with its saved tensors left to it (or never read), the callable
+        takes a node object and answers False where the lines would bail, else the
+        node's owner (True for none).  None for the other forms (traced, taken over,
+        under the user's hooks), which the lines alone serve."""
+        if is_traceable(type(node)) or (owner is not None and type(owner) is not Untouched):
+            return None
+        node_type, needs, materializes = type(node), node.needs_input_grad, function_materializes(node)
+        untouched = owner is not None
+
+        def check(n):
+            if type(n) is not node_type or n.needs_input_grad != needs or function_materializes(n) is not materializes:
+                return False
+            if not untouched:
+                return True
+            raws = n._raw_saved_tensors
+            if any(v.unpack_hook is not None for v in raws):
+                return False
+            n.saved_tensors  # eager's checks (freed, modified in place) raise here, as in the lines
+            return Untouched(raws)
+        return check
+
     def take(self, src, i, node, info, call) -> None:
         owner = call.owned[i]
         if type(owner) is Untouched:

@@ -12,7 +12,16 @@ live the lines run directly.  Leaves whose only hooks are post-accumulate-grad h
 (an optimizer in the backward, DDP's Python reducer) or C++ post-hooks on their
 accumulators (DDP's C++ reducer) are walked here too: the call reads the hooks' dict
 itself and returns its callables as the lines do; whether each is DDP's reducer hook
-alone (part of the key) is asked in Python, of the callables it returned.  The call
+alone (part of the key) is asked in Python, of the callables it returned.  Two more
+forms join the call where they are few, as under FSDP2 (its post-backward Function per
+layer, its pre-backward hooks on the layers' outputs):
+
+* a custom Function's node that runs as itself, its saved tensors left to it: the call
+  hands the node's checks to one Python callable (``FunctionKind.checker``);
+* tensor pre-hooks (``Tensor.register_hook`` on a non-leaf) on builtin nodes and those:
+  the call leaves their inputs empty; the caller finds every such hook of the walk from
+  the registry's side (``hooks.tensor_pre_of_walk``: its entries, not a probe per node),
+  checks they are on the expected nodes and fills them in.  The call
 makes no Python object per node (program.cpp says how): a node's own input is None in
 what it returns, and the session gives a graph the node objects it reads.
 
@@ -23,14 +32,14 @@ other (a nested size layout, a value keyed by ``value_key``) keeps its lines alo
 from __future__ import annotations
 
 from .. import native
-from .kinds import (ACCUMULATE, TRACED, AccumulateKind, TracedKind, _tensor_expected,
+from .kinds import (ACCUMULATE, OPAQUE, TRACED, AccumulateKind, FunctionKind, TracedKind, _tensor_expected,
                     flatten_sizes, kind_of, native_offsets)
 from .saved import ForeignOwned
 
 # Step and input codes of program.cpp
-METAS, VALUE, SAVED, LEAF, GRAD, FOREIGN, CPP_HOOKS = range(7)
+METAS, VALUE, SAVED, LEAF, GRAD, FOREIGN, CPP_HOOKS, CALL = range(8)
 SIZE, SIZES, NONE, EQUAL = range(4)
-GRAD_INPUT, SAVED_INPUT, NODE_INPUT, LEAF_INPUT, HOOK_INPUT = range(5)
+GRAD_INPUT, SAVED_INPUT, NODE_INPUT, LEAF_INPUT, HOOK_INPUT, FILLED_LATER = range(6)
 
 
 def _post_accumulate_only(spec) -> int | None:
@@ -44,11 +53,23 @@ def _post_accumulate_only(spec) -> int | None:
     return len(spec.post_accumulate)
 
 
+def _tensor_pre_only(spec) -> tuple | None:
+    """A non-leaf node's hooks as their key's tensor pre-hook part ((output_nr, how many),
+    ...; empty for no hook), where they are tensor pre-hooks alone; None for any other."""
+    if spec is None:
+        return ()
+    if spec.retain or spec.pre or spec.post or spec.post_accumulate or spec.native_post:
+        return None
+    return tuple((nr, len(positions)) for nr, positions in spec.tensor_pre)
+
+
 def plan(call, structure_plan: tuple):
-    """program.cpp's plan for ``call``'s structure (parsed once: a capsule) and the nodes whose
+    """program.cpp's plan for ``call``'s structure (parsed once: a capsule); the nodes whose
     saved tensors the user's hooks hold (the caller's lines tell those hooks from gradfx's
-    and make their owners) and the hooks whose ``reducer_hook_alone`` the key holds (the
-    caller asks it of the hooks the call returns), or None where its lines must serve."""
+    and make their owners); the hooks whose ``reducer_hook_alone`` the key holds (the
+    caller asks it of the hooks the call returns); the nodes with tensor pre-hooks, as
+    (node index, their key, where their inputs start), which the caller finds and fills
+    in.  None where its lines must serve."""
     if native.module() is None or call.outputs is not None or call.accumulate is not True:
         return None
     records = call.records
@@ -59,16 +80,17 @@ def plan(call, structure_plan: tuple):
     held = []
     hooked = []  # (node index, its raw saved attributes) per node under the user's saved-tensor hooks
     alone = []  # (input index, expected) of each post-accumulate-grad hook: the key's reducer_hook_alone
+    tensor_hooked = []  # (node index, its tensor pre-hooks' key, where their inputs start)
     for i, node in enumerate(call.nodes):
         rec = records[i]
-        foreign = type(call.owned[i]) is ForeignOwned  # walked as OPAQUE: the user's hooks hold its tensors
-        post_accumulate = _post_accumulate_only(rec.hooks)
-        native_post = rec.hooks is not None and rec.hooks.native_post
-        if not rec.runs or post_accumulate is None or rec.subclass is not None or \
-                (rec.kind not in (ACCUMULATE, TRACED) and not foreign):
+        if not rec.runs or rec.subclass is not None:
             return None
         spec, info = kind_of(node)
         if isinstance(spec, AccumulateKind):
+            post_accumulate = _post_accumulate_only(rec.hooks)
+            if rec.kind is not ACCUMULATE or post_accumulate is None:
+                return None
+            native_post = rec.hooks is not None and rec.hooks.native_post
             v = node.variable
             if v.device.type == "cuda":
                 return None
@@ -86,12 +108,24 @@ def plan(call, structure_plan: tuple):
             if rec.hooks is not None:
                 layout.append((NODE_INPUT, i, 0))
             continue
-        if rec.hooks is not None or not isinstance(spec, TracedKind) or info.kind is not TRACED or info.hidden:
-            return None
+        tensor_pre = _tensor_pre_only(rec.hooks)
         metas = node._input_metadata
-        if any(m.device.type == "cuda" for m in metas):
-            return None  # the stream check stays in Python
-        steps.append((METAS, i, tuple((len(m.shape), m.dtype, m.device) for m in metas)))
+        if tensor_pre is None or any(m.device.type == "cuda" for m in metas):
+            return None  # other hooks, which the lines find; the stream check stays in Python
+        metas_step = (METAS, i, tuple((len(m.shape), m.dtype, m.device) for m in metas))
+        if isinstance(spec, FunctionKind):
+            check = spec.checker(node, call.owned[i]) if rec.kind is OPAQUE else None
+            if check is None:
+                return None
+            steps += [metas_step, (CALL, i, check)]
+            layout.append((NODE_INPUT, i, 0))
+            _tensor_hooks(i, tensor_pre, layout, tensor_hooked)
+            continue
+        foreign = type(call.owned[i]) is ForeignOwned  # walked as OPAQUE: the user's hooks hold its tensors
+        if not isinstance(spec, TracedKind) or info.kind is not TRACED or info.hidden or \
+                (rec.kind is not TRACED and not foreign):
+            return None
+        steps.append(metas_step)
         for attr in info.saved_values:
             step = _value_step(i, type(node), attr, getattr(node, attr), attr in info.size_values)
             if step is None:
@@ -123,9 +157,18 @@ def plan(call, structure_plan: tuple):
             steps.append((SAVED, i, (offsets, tuple(expected))))
             held.append((i, offsets, mask))
         layout += [(SAVED_INPUT, i, j) for j in range(defined)] + [(NODE_INPUT, i, 0)]
+        _tensor_hooks(i, tensor_pre, layout, tensor_hooked)
     compiled = native.module().compile_program(
         (structure_plan, tuple(steps), tuple(layout), tuple(held), len(call.nodes)), list(call.nodes))
-    return compiled, tuple(hooked), tuple(alone)
+    return compiled, tuple(hooked), tuple(alone), tuple(tensor_hooked)
+
+
+def _tensor_hooks(i: int, key: tuple, layout: list, tensor_hooked: list) -> None:
+    """Node i's tensor pre-hooks' inputs, after its own as hooks.Found.inputs puts them:
+    left empty by the call, filled in by its caller."""
+    if key:
+        tensor_hooked.append((i, key, len(layout)))
+        layout += [(FILLED_LATER, i, j) for j in range(sum(count for _, count in key))]
 
 
 def _value_step(i: int, node_type: type, attr: str, value, is_size: bool):

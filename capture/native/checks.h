@@ -71,6 +71,10 @@ PyObject* saved(const NodePtr& node, const SavedSpec* specs, size_t count, const
 // A HeldByNode (saved.cpp) of ``node``: its variables at ``offsets`` left to it; a new reference.
 PyObject* held(const NodePtr& node, PyObject* offsets, PyObject* mask);
 
+// The node behind a grad_fn object (a builtin node's, or a custom Function's ctx), or
+// nullptr for any other object (walk.cpp).
+torch::autograd::Node* node_of(PyObject* object);
+
 // How many of the node's post-hooks are C++ hooks, not a Python hook's wrapper (post_hooks.cpp).
 long cpp_post_hook_count(torch::autograd::Node* node);
 
@@ -81,7 +85,8 @@ bool extend(PyObject* list, const std::vector<int64_t>& sizes);
 // walk's node objects, it also holds each node's C++ type), then per backward the nodes
 // in discovery order into ``nodes``: 1 where they are the plan's, 0 where not, -1 on an
 // error.  ``by_type``: check each node's C++ type against the plan's (no Python object is
-// made); else the Python lines' check of each node object's type is left to the caller.
+// made; a custom Function's node is a PyNode of any class, its class left to the caller);
+// else the Python lines' check of each node object's type is left to the caller.
 struct Structure;
 Structure* parse_structure(PyObject* plan, PyObject* nodes);  // nullptr with an error set where malformed
 void free_structure(Structure* plan);

@@ -1,6 +1,7 @@
-// A cache-hit walk in one C++ call, for structures of builtin nodes and leaves alone,
-// leaves with post-accumulate-grad hooks among them (capture/graph/walk_program.py builds
-// the plan and says which): the structure, then
+// A cache-hit walk in one C++ call, for structures of builtin nodes and leaves, leaves
+// with post-accumulate-grad hooks among them, and custom Functions' nodes whose checks
+// the plan hands back to Python (capture/graph/walk_program.py builds the plan and says
+// which): the structure, then
 // the same reads and checks as the walker's generated Python lines, in their order, then
 // the inputs, owners and sizes those lines return (the nodes as a sequence that makes
 // each node's Python object when asked for; a node's own input None).  None where the
@@ -31,9 +32,9 @@ using gradfx_native::NodePtr;
 using gradfx_native::SavedSpec;
 using gradfx_native::TensorSpec;
 
-enum Kind : long { kMetas = 0, kValue = 1, kSaved = 2, kLeaf = 3, kGrad = 4, kForeign = 5, kCppHooks = 6 };
+enum Kind : long { kMetas = 0, kValue = 1, kSaved = 2, kLeaf = 3, kGrad = 4, kForeign = 5, kCppHooks = 6, kCall = 7 };
 enum Value : long { kSize = 0, kSizes = 1, kNone = 2, kEqual = 3 };
-enum Input : long { kGradInput = 0, kSavedInput = 1, kNodeInput = 2, kLeafInput = 3, kHookInput = 4 };
+enum Input : long { kGradInput = 0, kSavedInput = 1, kNodeInput = 2, kLeafInput = 3, kHookInput = 4, kFilledLater = 5 };
 // How a kEqual value compares: the forms emit_values' ``type(x) is T and x == C`` takes
 // most, read without building C; any other C through Python's ==.
 enum Equal : int8_t { kInt, kBool, kInts, kObject };
@@ -46,7 +47,7 @@ struct Step {
   int32_t begin = 0;     // into the plan's specs or ints, by kind
   int32_t count = 0;
   int64_t number = 0;    // kSizes: the length; kInt: C; kLeaf: its post-accumulate-grad hooks
-  PyObject* descriptor = nullptr;  // kValue: the getter
+  PyObject* descriptor = nullptr;  // kValue: the getter; kCall: the check
   PyObject* proxy = nullptr;       // kValue: the object it is called on (``proxy_for``)
   PyObject* type = nullptr;        // kEqual: T
   PyObject* constant = nullptr;    // kEqual: C
@@ -178,13 +179,40 @@ PyTypeObject walked_type = [] {
   return t;
 }();
 
-PyObject* walked(std::vector<NodePtr>&& nodes) {
+// The node objects a walk made for its kCall steps (new references), owned here until
+// the Walked sequence takes them.
+struct Objects {
+  std::vector<PyObject*> items;
+  Objects() = default;
+  Objects(const Objects&) = delete;
+  Objects& operator=(const Objects&) = delete;
+  ~Objects() {
+    for (PyObject* obj : items) {
+      Py_XDECREF(obj);
+    }
+  }
+  // Node i's object (borrowed), made once; nullptr with an error set.
+  PyObject* of(const std::vector<NodePtr>& nodes, int32_t i) {
+    if (items.empty()) {
+      items.assign(nodes.size(), nullptr);
+    }
+    if (items[i] == nullptr) {
+      items[i] = torch::autograd::functionToPyObject(nodes[i]);
+    }
+    return items[i];
+  }
+};
+
+PyObject* walked(std::vector<NodePtr>&& nodes, Objects* made) {
   auto* w = PyObject_New(Walked, &walked_type);
   if (w == nullptr) {
     return nullptr;
   }
   w->nodes = new std::vector<NodePtr>(std::move(nodes));
   w->objects = new std::vector<PyObject*>(w->nodes->size(), nullptr);
+  if (!made->items.empty()) {
+    w->objects->swap(made->items);  // the objects go with the sequence
+  }
   return reinterpret_cast<PyObject*>(w);
 }
 
@@ -415,6 +443,10 @@ Program* parse(PyObject* plan, PyObject* nodes) {
         step.number = PyObject_IsTrue(arg);
         ok = step.number >= 0;
         break;
+      case kCall:  // (check): called with the node's object; True, an owner, or None / False
+        step.descriptor = arg;
+        ok = PyCallable_Check(arg) != 0;
+        break;
       case kForeign:  // (offsets): the saved variables, of which one must carry hooks
         if (!PyTuple_Check(arg)) {
           return bad();
@@ -597,9 +629,13 @@ py::object post_accumulate_hooks(PyObject* leaf, int64_t count) {
 //   steps   in the lines' order: (kGrad, k, expected), (kMetas, i, expected),
 //           (kValue, i, descriptor, mode, arg), (kSaved, i, spec),
 //           (kLeaf, i, expected[, post-accumulate-grad hooks]), (kForeign, i, offsets),
-//           (kCppHooks, i, has C++ post-hooks);
+//           (kCppHooks, i, has C++ post-hooks), (kCall, i, check): the check of a node
+//           this call cannot read (a custom Function's), called with the node's object:
+//           True where it passes, an object where it passes and that is the node's owner,
+//           None or False where the lines would bail;
 //   inputs  the returned inputs: (kGradInput, k, 0), (kSavedInput, i, j), (kNodeInput, i, 0),
-//           (kLeafInput, i, 0), (kHookInput, i, j): leaf i's post-accumulate-grad hook j;
+//           (kLeafInput, i, 0), (kHookInput, i, j): leaf i's post-accumulate-grad hook j,
+//           (kFilledLater, i, j): None, which the caller replaces (node i's tensor pre-hooks);
 //   held    (i, offsets, mask) per node whose saved tensors stay with it (HeldByNode).
 // Returns (nodes as a Walked sequence, owned, inputs, sizes, sequence numbers), or None.
 // A node's own entry among the inputs is None: a graph of builtin nodes reads none (the
@@ -616,7 +652,8 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
 
   std::vector<int64_t> sizes;
   sizes.reserve(256);
-  std::vector<py::object> saved(p.n), leaves(p.n), hooks(p.n);
+  std::vector<py::object> saved(p.n), leaves(p.n), hooks(p.n), owners(p.n);
+  Objects objects;
   for (const Step& step : p.steps) {
     const int32_t i = step.i;
     bool ok = false;
@@ -664,6 +701,23 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
       case kCppHooks:
         ok = (gradfx_native::cpp_post_hook_count(nodes[i].get()) > 0) == (step.number != 0);
         break;
+      case kCall: {
+        PyObject* obj = objects.of(nodes, i);
+        if (obj == nullptr) {
+          return nullptr;
+        }
+        PyObject* answer = PyObject_CallOneArg(step.descriptor, obj);
+        if (answer == nullptr) {
+          return nullptr;  // it raised: so would the lines (eager's error on reading a freed ctx)
+        }
+        ok = answer != Py_None && answer != Py_False;
+        if (ok && answer != Py_True) {
+          owners[i] = py::reinterpret_steal<py::object>(answer);
+        } else {
+          Py_DECREF(answer);
+        }
+        break;
+      }
       case kLeaf: {
         PyObject* v = gradfx_native::leaf(nodes[i].get(), p.leaves[step.begin], &sizes);
         if (v == nullptr) {
@@ -702,6 +756,11 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
     }
     PyList_SetItem(owned.ptr(), h.i, o);
   }
+  for (int32_t k = 0; k < p.n; ++k) {
+    if (owners[k]) {
+      PyList_SetItem(owned.ptr(), k, owners[k].release().ptr());
+    }
+  }
 
   py::list inputs(p.layout.size());
   for (size_t k = 0; k < p.layout.size(); ++k) {
@@ -716,6 +775,7 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
         item = PyTuple_GET_ITEM(saved[i].ptr(), ref[2]);
         break;
       case kNodeInput:
+      case kFilledLater:
         item = Py_None;
         break;
       case kHookInput:
@@ -750,7 +810,7 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
   if (!seq) {
     return nullptr;
   }
-  py::object walk = py::reinterpret_steal<py::object>(walked(std::move(nodes)));
+  py::object walk = py::reinterpret_steal<py::object>(walked(std::move(nodes), &objects));
   if (!walk) {
     return nullptr;
   }

@@ -112,10 +112,12 @@ gradfx_native::Structure* gradfx_native::parse_structure(PyObject* plan, PyObjec
     }
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* obj = PyList_GET_ITEM(nodes, i);
-      if (!torch::autograd::THPCppFunction_Check(obj) || reinterpret_cast<PyObject*>(Py_TYPE(obj)) != out->types[i]) {
-        return bad();  // builtin nodes only: a custom Function's node is a PyNode of every class
+      // A custom Function's node is a PyNode whatever its class: the C++ type check
+      // cannot tell its classes apart, which the caller checks (program.cpp's kCall).
+      Node* node = gradfx_native::node_of(obj);
+      if (node == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(obj)) != out->types[i]) {
+        return bad();
       }
-      Node* node = reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata.get();
       out->cpp_types.emplace_back(typeid(*node));
     }
   }

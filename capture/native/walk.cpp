@@ -23,6 +23,15 @@ using torch::autograd::Node;
 
 namespace {
 
+// The Python-facing form of a check: the tuple parsed, the check run, its sizes appended.
+bool appended(PyObject* sizes, const std::vector<int64_t>& found, bool ok) {
+  return ok && gradfx_native::extend(sizes, found);
+}
+
+}  // namespace
+
+namespace {
+
 template <typename Owner>
 Node* raw(const std::weak_ptr<Owner>& owner) {
   return owner.lock().get();  // the graph keeps the node alive while its object is read
@@ -33,8 +42,9 @@ Node* raw(const Owner& owner) {
   return owner.get();
 }
 
-// The node behind a grad_fn object: a builtin node's, or a custom Function's ctx.
-Node* node_of(PyObject* object) {
+}  // namespace
+
+Node* gradfx_native::node_of(PyObject* object) {
   if (torch::autograd::THPCppFunction_Check(object)) {
     return reinterpret_cast<torch::autograd::THPCppFunction*>(object)->cdata.get();
   }
@@ -43,13 +53,6 @@ Node* node_of(PyObject* object) {
   }
   return nullptr;
 }
-
-// The Python-facing form of a check: the tuple parsed, the check run, its sizes appended.
-bool appended(PyObject* sizes, const std::vector<int64_t>& found, bool ok) {
-  return ok && gradfx_native::extend(sizes, found);
-}
-
-}  // namespace
 
 bool gradfx_native::extend(PyObject* list, const std::vector<int64_t>& sizes) {
   for (int64_t size : sizes) {
@@ -159,7 +162,7 @@ static bool metas_of_tuple(PyObject* object, PyObject* expected, PyObject* sizes
   if (!PyList_Check(sizes) || !gradfx_native::parse_metas(expected, &specs)) {
     return false;
   }
-  return appended(sizes, found, gradfx_native::metas(node_of(object), specs.data(), specs.size(), &found));
+  return appended(sizes, found, gradfx_native::metas(gradfx_native::node_of(object), specs.data(), specs.size(), &found));
 }
 
 // AccumulateKind.check's reads of a leaf: the node's variable, exactly of the expected
@@ -195,7 +198,7 @@ static PyObject* leaf_of_tuple(PyObject* object, PyObject* expected, PyObject* s
     Py_RETURN_NONE;
   }
   std::vector<int64_t> found;
-  PyObject* v = gradfx_native::leaf(node_of(object), spec, &found);
+  PyObject* v = gradfx_native::leaf(gradfx_native::node_of(object), spec, &found);
   if (v != nullptr && v != Py_None && !gradfx_native::extend(sizes, found)) {
     Py_DECREF(v);
     return nullptr;
@@ -260,7 +263,7 @@ PyMethodDef tensor_def = {"tensor", reinterpret_cast<PyCFunction>(reinterpret_ca
 // Does the node take the gradient of a tensor subclass (its input metadata says so; no
 // Python binding shows it)?  Such a node runs as itself (graph.kinds).
 PyObject* subclass_inputs(PyObject* /*self*/, PyObject* object) {
-  Node* node = node_of(object);
+  Node* node = gradfx_native::node_of(object);
   if (node == nullptr) {
     PyErr_SetString(PyExc_TypeError, "subclass_inputs(node): expected an autograd node");
     return nullptr;
