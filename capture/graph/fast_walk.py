@@ -194,6 +194,8 @@ def _with_program(lines, planned: tuple, call: BackwardCall):
         if (accumulate is True and len(tensors) == roots and len(grads) == roots and not inputs
                 and not (retained or node_dicts) and (pre or not tensor_hooked)):
             found = run(tensors, grads, program)
+            if found is False:  # the lines would refuse it for sure (program.cpp says when)
+                return None
             if found is not None:
                 if alone:  # the key's part the call leaves to Python (walk_program.plan)
                     hooks_in = found[2]

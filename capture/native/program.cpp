@@ -7,7 +7,11 @@
 // each node's Python object when asked for; a node's own input None).  None where the
 // lines would bail, or where this call is not sure they would not (a leaf with tensor
 // hooks): the lines then run, and decide.  Nothing is taken over, so running them after
-// it changes nothing.
+// it changes nothing.  False where the lines would bail for sure, their own check being
+// this call's (a gradient's, a node's metadata, a leaf, a leaf's count of
+// post-accumulate-grad hooks): the lines are then spared, which matters where several
+// structures share a root type and each backward tries the walkers of the others first
+// (models of one architecture with DDP's Python reducer and without, in one process).
 
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/function.h>
@@ -600,6 +604,23 @@ bool no_tensor_hooks(PyObject* leaf) {
   return true;
 }
 
+// How many post-accumulate-grad hooks the leaf has where that is sure to be what the
+// lines' ``collect`` counts (a plain Tensor or Parameter without tensor pre-hooks, its
+// hooks in a dict or none), else -1.
+Py_ssize_t known_post_accumulate_count(PyObject* leaf) {
+  if (!THPVariable_CheckExact(leaf)) {
+    return -1;
+  }
+  const auto* v = reinterpret_cast<THPVariable*>(leaf);
+  if (v->backward_hooks != nullptr) {
+    return -1;
+  }
+  if (v->post_accumulate_grad_hooks == nullptr) {
+    return 0;
+  }
+  return PyDict_Check(v->post_accumulate_grad_hooks) ? PyDict_Size(v->post_accumulate_grad_hooks) : -1;
+}
+
 // A leaf with ``count`` post-accumulate-grad hooks and no other tensor hook, as the lines'
 // ``collect`` finds it: its hooks' callables in registration order (the dict's), else
 // None where the lines decide (another count, tensor pre-hooks, a type whose attributes
@@ -637,7 +658,8 @@ py::object post_accumulate_hooks(PyObject* leaf, int64_t count) {
 //           (kLeafInput, i, 0), (kHookInput, i, j): leaf i's post-accumulate-grad hook j,
 //           (kFilledLater, i, j): None, which the caller replaces (node i's tensor pre-hooks);
 //   held    (i, offsets, mask) per node whose saved tensors stay with it (HeldByNode).
-// Returns (nodes as a Walked sequence, owned, inputs, sizes, sequence numbers), or None.
+// Returns (nodes as a Walked sequence, owned, inputs, sizes, sequence numbers), None, or
+// False (the top of this file says when).
 // A node's own entry among the inputs is None: a graph of builtin nodes reads none (the
 // session gives a graph that does, one whose trace made a node opaque, its objects).
 PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
@@ -657,12 +679,15 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
   for (const Step& step : p.steps) {
     const int32_t i = step.i;
     bool ok = false;
+    bool sure = false;  // a failed check is the lines' own: they would bail
     switch (step.kind) {
       case kGrad:
         ok = gradfx_native::tensor(grad[i], p.tensors[step.begin], &sizes);
+        sure = true;
         break;
       case kMetas:
         ok = gradfx_native::metas(nodes[i].get(), p.metas.data() + step.begin, step.count, &sizes);
+        sure = true;
         break;
       case kValue: {
         if (step.field != nullptr) {
@@ -725,6 +750,12 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
         }
         leaves[i] = py::reinterpret_steal<py::object>(v);
         if (v == Py_None) {
+          sure = true;  // not the cached leaf
+          break;
+        }
+        const Py_ssize_t count = known_post_accumulate_count(v);
+        if (count >= 0 && count != step.number) {
+          sure = true;  // another count of hooks: another key
           break;
         }
         if (step.number == 0) {
@@ -740,6 +771,9 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
       return nullptr;
     }
     if (!ok) {
+      if (sure) {
+        Py_RETURN_FALSE;
+      }
       Py_RETURN_NONE;
     }
   }
