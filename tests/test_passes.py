@@ -200,28 +200,67 @@ def test_inplace_sums_sums_into_a_gradient_the_graph_alone_holds(shared):
     compare_training(lambda: _TwoBranches(shared), lambda: (torch.randn(4, 8, requires_grad=True),))
 
 
-def test_inplace_sums_leaves_a_shared_or_viewed_first_operand_alone():
+def test_inplace_sums_leaves_a_first_operand_read_later_or_elsewhere_alone():
+    """In place where the first operand is a fresh tensor every other reader of which (and
+    of its views) is an aten op before the sum; not where a reader comes after it (of the
+    tensor or of a view of it), the reader is a hook, or the operand is an input or a view."""
     g = fx.Graph()
     x, y = g.placeholder("x"), g.placeholder("y")
-    fresh = g.call_function(aten.mul.Tensor, (x, y))
-    kept = g.call_function(aten.mul.Tensor, (x, y))
-    other = g.call_function(aten.neg.default, (kept,))  # kept has a second user
-    view = g.call_function(aten.t.default, (g.call_function(aten.mul.Tensor, (x, y)),))
-    sums = [g.call_function(aten.add.Tensor, (first, y)) for first in (fresh, kept, x, view)]
-    g.output((*sums, other))
+    mul = lambda: g.call_function(aten.mul.Tensor, (x, y))  # noqa: E731
+    fresh, kept, read_first, viewed_first, viewed_later, hooked = (mul() for _ in range(6))
+    early = g.call_function(aten.neg.default, (read_first,))  # read before its sum
+    alias = g.call_function(aten.view.default, (viewed_first, [16]))
+    early_view = g.call_function(aten.neg.default, (alias,))  # a view of it read before its sum
+    alias_later = g.call_function(aten.view.default, (viewed_later, [16]))
+    hook_call = g.call_function(_hook_call, (hooked,))  # a hook may keep it
+    view = g.call_function(aten.t.default, (mul(),))
+    firsts = (fresh, kept, x, view, read_first, viewed_first, viewed_later, hooked)
+    sums = [g.call_function(aten.add.Tensor, (first, y)) for first in firsts]
+    other = g.call_function(aten.neg.default, (kept,))  # read after its sum
+    late_view = g.call_function(aten.neg.default, (alias_later,))  # its view read after the sum
+    g.output((*sums, other, early, early_view, late_view, hook_call))
     fake = torch._subclasses.FakeTensorMode()
     with fake:
         vals = {"x": torch.empty(4, 4), "y": torch.empty(4, 4)}
     for n in g.nodes:
-        if n.op == "placeholder":
+        if n.op == "placeholder" and n.name in vals:
             n.meta["val"] = vals[n.name]
-        elif n.op == "call_function":
+        elif n.op == "call_function" and n.target is not _hook_call:
             with fake:
                 n.meta["val"] = n.target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args])
     for s in sums:
         s.meta[BUFFER_SUM] = True
     before = _copy(g)
     run_pipeline(g, resolve(["inplace_sums"]))
-    # the fresh product's sum in place; a shared one, an input, a transposed view: not
-    assert [s.target for s in sums] == [aten.add_.Tensor, aten.add.Tensor, aten.add.Tensor, aten.add.Tensor]
+    assert [s.target is aten.add_.Tensor for s in sums] == [True, False, False, False, True, True, False, False]
     _check_invariants(before, g, [torch.randn(4, 4), torch.randn(4, 4)])
+
+
+def _hook_call(t):
+    """A stand-in for a hook's call in the graph (not an aten op): it may keep the tensor."""
+    return t.clone()
+
+
+class _PreNorm(nn.Module):
+    """Residual blocks as a transformer's: the gradient at each norm's input is the sum of
+    the residual path's and the branch's, and the branch also reads the gradient that the
+    residual path hands on (an add gives both inputs one tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleList([nn.LayerNorm(8), nn.Linear(8, 8)]) for _ in range(2))
+
+    def forward(self, x):
+        for norm, linear in self.blocks:
+            x = x + linear(norm(x)).relu()
+        return x.square().sum()
+
+
+def test_inplace_sums_sums_in_place_where_the_branch_read_the_gradient_first():
+    torch.manual_seed(0)
+    model = _PreNorm()
+    x = torch.randn(4, 8, requires_grad=True)
+    graph = gradfx.capture(model(x)).graph_module.graph
+    sums = _sums(graph)
+    assert sums and all(t is aten.add_.Tensor for t in sums), sums  # eager sums each in place too
+    compare_training(_PreNorm, lambda: (torch.randn(4, 8, requires_grad=True),))
