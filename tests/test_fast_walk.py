@@ -813,19 +813,9 @@ class _Gated(torch.autograd.Function):
         return g * (x > 0)
 
 
-class _Passed(torch.autograd.Function):
+class _Passed(_Gated):
     """Another class of the same node shape: the call's C++ type check cannot tell it from
     _Gated (both are PyNodes), the Python check does."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * 1
 
 
 def _layered(log, hooked=(0,), function=_Gated):

@@ -29,7 +29,8 @@ from . import distributed, hidden, hooks, walk_program
 from .kinds import (ACCUMULATE, ctx_layout_id, emit_hooks, emit_metas, emit_tensor, flatten_sizes,
                     function_materializes, hidden_state, kind_of, saved_layout_id, stream_ok, subclass_grads,
                     traced_ctx_key, value_key)
-from .saved import (ForeignOwned, SavedTensors, Untouched, _unpack, foreign_hooks, leave_to_node, readable)
+from .saved import (ForeignOwned, SavedTensors, Untouched, _unpack, any_hooked, foreign_hooks, leave_to_node,
+                    readable)
 from .walk import BackwardCall, root_edge, root_layout_id
 
 
@@ -164,7 +165,7 @@ def generate(call: BackwardCall, tensors, structure):
                      partial=partial, stream_ok=stream_ok, hidden_state=hidden_state, native_metas=_native('metas'), native_tensor=_native('tensor'),
                      native_structure=_native('structure'), native_saved=_native('saved'),
                      native_leaf=_native('leaf'),
-                     unpack=_unpack, any_hooked=_any_hooked, edge=root_edge,
+                     unpack=_unpack, any_hooked=any_hooked, edge=root_edge,
                      collect=hooks.collect, hooks_active=hooks.active, leaf_hooks=hooks.leaf_hooks, retained_by_node=hooks.retained_by_node,
                      dist_initialized=distributed.initialized, cpp_hooked_mask=_accumulators_hooked)
     exec(compile(code, f"<gradfx fast walk {n} nodes>", "exec"), namespace)
@@ -270,10 +271,6 @@ def _native(name: str):
     """A check of the compiled part (kinds emits it where the part is loaded)."""
     reader = native.module()
     return None if reader is None else getattr(reader, name)
-
-
-def _any_hooked(saved_variables) -> bool:
-    return any(v.unpack_hook is not None for v in saved_variables)
 
 
 def _accumulators_hooked(accumulators) -> tuple:

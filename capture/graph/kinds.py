@@ -31,8 +31,8 @@ from ..errors import _Fallback
 from .functions import dtensor_function, promised_traceable
 from . import distributed, hidden, hooks, regions, subclasses
 from .run_real import RUN_REAL
-from .saved import (ForeignHooks, ForeignOwned, Origin, SubclassSaved, Untouched, foreign_hooks, leave_to_node,
-                    plain_type, readable, saved_layouts, take_saved, unreadable)
+from .saved import (ForeignHooks, ForeignOwned, Origin, SubclassSaved, Untouched, any_hooked, foreign_hooks,
+                    leave_to_node, plain_type, readable, saved_layouts, take_saved, unreadable)
 
 TRACED, ACCUMULATE, OPAQUE, FUNCTION = "traced", "accumulate", "opaque", "function"
 
@@ -873,7 +873,7 @@ class FunctionKind:
             if not untouched:
                 return True
             raws = n._raw_saved_tensors
-            if any(v.unpack_hook is not None for v in raws):
+            if any_hooked(raws):
                 return False
             n.saved_tensors  # eager's checks (freed, modified in place) raise here, as in the lines
             return Untouched(raws)

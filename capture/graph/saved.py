@@ -406,6 +406,11 @@ def take_saved(node, raw_attrs: tuple[str, ...], tensor_attrs: tuple[str, ...], 
     return owned, owned.mask, tensors
 
 
+def any_hooked(saved_variables) -> bool:
+    """Has any of these saved variables an unpack hook (a custom Function's, left to its node)?"""
+    return any(v.unpack_hook is not None for v in saved_variables)
+
+
 def first_hooked(raws, tensor_attrs):
     """(variable, its ``_saved_*`` attribute): the first saved variable with an unpack hook,
     which decides whose the node's saved tensors are (take_saved); None if none has one."""

@@ -580,14 +580,10 @@ bool value(PyObject* x, const Step& step, const Program& p, std::vector<int64_t>
   return same == 1;
 }
 
-// The leaf's tensor hooks: the lines' cheap condition (none), else they decide.  A plain
-// Tensor or Parameter's attributes are its fields, which their getters return (None for
-// an empty one; no __torch_function__ runs for these types); others go by attribute.
+// A leaf of another type than Tensor or Parameter (whose hooks known_post_accumulate_count
+// reads from their fields): the lines' cheap condition (no tensor hooks, read by attribute),
+// else they decide.
 bool no_tensor_hooks(PyObject* leaf) {
-  if (THPVariable_CheckExact(leaf)) {
-    const auto* v = reinterpret_cast<THPVariable*>(leaf);
-    return v->backward_hooks == nullptr && v->post_accumulate_grad_hooks == nullptr;
-  }
   static PyObject* backward = PyUnicode_InternFromString("_backward_hooks");
   static PyObject* post = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
   for (PyObject* name : {backward, post}) {
@@ -606,7 +602,7 @@ bool no_tensor_hooks(PyObject* leaf) {
 
 // How many post-accumulate-grad hooks the leaf has where that is sure to be what the
 // lines' ``collect`` counts (a plain Tensor or Parameter without tensor pre-hooks, its
-// hooks in a dict or none), else -1.
+// hooks in a dict or none), else -1: the lines decide.
 Py_ssize_t known_post_accumulate_count(PyObject* leaf) {
   if (!THPVariable_CheckExact(leaf)) {
     return -1;
@@ -621,19 +617,11 @@ Py_ssize_t known_post_accumulate_count(PyObject* leaf) {
   return PyDict_Check(v->post_accumulate_grad_hooks) ? PyDict_Size(v->post_accumulate_grad_hooks) : -1;
 }
 
-// A leaf with ``count`` post-accumulate-grad hooks and no other tensor hook, as the lines'
-// ``collect`` finds it: its hooks' callables in registration order (the dict's), else
-// None where the lines decide (another count, tensor pre-hooks, a type whose attributes
-// are not its fields, a dict whose values cannot be listed).
-py::object post_accumulate_hooks(PyObject* leaf, int64_t count) {
-  if (!THPVariable_CheckExact(leaf)) {
-    return py::none();
-  }
-  const auto* v = reinterpret_cast<THPVariable*>(leaf);
-  PyObject* hooks = v->post_accumulate_grad_hooks;
-  if (v->backward_hooks != nullptr || hooks == nullptr || !PyDict_Check(hooks) || PyDict_Size(hooks) != count) {
-    return py::none();
-  }
+// The callables of a leaf whose ``count`` post-accumulate-grad hooks known_post_accumulate_count
+// found, in registration order (the dict's own), as the lines' ``collect`` returns them; None
+// where they cannot be listed (the lines decide).
+py::object post_accumulate_hooks(PyObject* leaf, Py_ssize_t count) {
+  PyObject* hooks = reinterpret_cast<THPVariable*>(leaf)->post_accumulate_grad_hooks;
   static PyObject* values_name = PyUnicode_InternFromString("values");
   PyObject* values = PyObject_CallMethodNoArgs(hooks, values_name);  // an OrderedDict's own order
   PyObject* listed = values == nullptr ? nullptr : PySequence_List(values);
@@ -754,15 +742,18 @@ PyObject* program(PyObject* tensors, PyObject* grads, const Program& p) {
           break;
         }
         const Py_ssize_t count = known_post_accumulate_count(v);
-        if (count >= 0 && count != step.number) {
-          sure = true;  // another count of hooks: another key
+        if (count != step.number) {
+          // another count of hooks is another key; an unknown one (tensor pre-hooks, a
+          // subclass) the lines decide, but a subclass with no hooks at all passes here
+          sure = count >= 0;
+          ok = count < 0 && step.number == 0 && !THPVariable_CheckExact(v) && no_tensor_hooks(v);
           break;
         }
-        if (step.number == 0) {
-          ok = no_tensor_hooks(v);
+        if (count == 0) {
+          ok = true;
           break;
         }
-        hooks[i] = post_accumulate_hooks(v, step.number);
+        hooks[i] = post_accumulate_hooks(v, count);
         ok = !hooks[i].is_none();
         break;
       }
