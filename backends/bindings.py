@@ -14,9 +14,12 @@ never call.  So a call site takes the binding only when both hold:
   overload's C function make the same calls with the same argument types (checked once
   per overload and argument signature);
 * **no ``__torch_function__`` runs**: the whole graph then runs under
-  ``torch._C.DisableTorchFunction``, which is only done for graphs that call nothing
-  but aten ops, ``getitem`` and gradfx's accumulation (no hook or custom backward, whose
-  user code must see the torch-function state eager gives it).
+  ``torch._C.DisableTorchFunction``.  A graph that calls nothing but aten ops,
+  ``getitem`` and gradfx's accumulation runs so as it is.  A graph that calls other code
+  (a hook, a custom backward, DDP's reducer), whose user code must see the
+  torch-function state eager gives it, runs so where gradfx's compiled part is loaded:
+  each such call then goes through :func:`as_user`, which gives it the state the graph
+  found (``native/torch_function.cpp``).
 
 Everything else keeps the overload's C function.
 """
@@ -30,6 +33,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..capture import native
 from ..capture.runtime.runtime_ops import accumulate_grad, accumulate_grad_unchecked
 
 _PLAIN_CALLS = (operator.getitem, accumulate_grad, accumulate_grad_unchecked)
@@ -39,6 +43,36 @@ def plain(graph: fx.Graph) -> bool:
     """Does ``graph`` call only aten overloads, ``getitem`` and accumulations?"""
     return all(n.op != "call_function" or isinstance(n.target, torch._ops.OpOverload) or n.target in _PLAIN_CALLS
                for n in graph.nodes)
+
+
+def user_calls_apart(graph: fx.Graph) -> bool:
+    """Can ``graph`` run without ``__torch_function__``, each call of other code than aten
+    ops, ``getitem`` and accumulations through :func:`as_user`?  Where the compiled part
+    is loaded, and the graph calls functions alone (no method or module calls)."""
+    return native.module() is not None and all(n.op not in ("call_method", "call_module") for n in graph.nodes)
+
+
+def is_plain_call(target) -> bool:
+    return target in _PLAIN_CALLS
+
+
+def as_user(target):
+    """``target`` called with the torch-function state the graph found (the compiled part's
+    ``as_user``), named as fx's code can call it as a global."""
+    fn = _user_calls.get(target)
+    if fn is None:
+        fn = _user_calls[target] = _named(functools.partial(native.module().as_user, target),
+                                          f"{getattr(target, '__name__', 'call')}_as_user")
+    return fn
+
+
+_user_calls: dict = {}
+
+
+def without_torch_function(forward):
+    """``forward`` run with every torch-function handler off, the state it found kept for
+    the calls :func:`as_user` makes (the compiled part's ``run_without_torch_function``)."""
+    return functools.partial(native.module().run_without_torch_function, forward)
 
 
 def direct(op: torch._ops.OpOverload):

@@ -18,7 +18,7 @@ from torch.fx.graph import _BoxedCodeGen
 
 from ..capture.errors import FallbackWarning
 from ..capture.stacklevel import user_stacklevel
-from ..capture.runtime import counters, hook_ops
+from ..capture.runtime import counters, ddp_buckets, hook_ops
 from ..capture.runtime.runtime_ops import accumulate_grad, unchecked_accumulator
 from ..reorder.memory import frees_inputs_early
 from . import bindings
@@ -43,25 +43,39 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     so its gradients have their leaves' metadata by construction, and the check
     that other backends' code gets would only cost time on every backward.  It runs
     a node's C++ post-hooks (DDP's reducer) through the compiled part's C function
-    directly, without the Python one around it.  The
+    directly, without the Python one around it, and so the Python reducer's bucketed hook
+    calls (``ddp_buckets.ready``).  The
     copy calls each aten overload's own C function rather than its Python
     ``OpOverload`` wrapper (the same kernel, one Python frame less per op), or torch's
-    public binding where that runs the same overload and the graph calls nothing that
-    could see ``__torch_function__`` disabled (``bindings``).
+    public binding where that runs the same overload, with ``__torch_function__`` off:
+    where the graph calls other code, that code gets the thread's own torch-function
+    state back for each call (``bindings``).
     """
     graph = copy.deepcopy(gm.graph)
     # A graph of aten ops and accumulations alone runs without __torch_function__ (as
     # eager's engine computes), so its ops may take torch's public bindings (bindings).
+    # So does a graph that calls other code, where each such call gets the user's
+    # torch-function state back (bindings.as_user).
     plain = bindings.plain(graph)
+    apart = not plain and bindings.user_calls_apart(graph)
     accumulate = unchecked_accumulator()
-    for node in graph.find_nodes(op="call_function", target=accumulate_grad):
-        node.target = accumulate
-    for node in graph.find_nodes(op="call_function", target=hook_ops.call_node_post_hooks):
-        node.target = hook_ops.node_post_hooks_native()
     for node in graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            fast = bindings.fastest(node) if plain else None
-            node.target = fast if fast is not None else bindings.direct(node.target)
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if target is accumulate_grad:
+            node.target = accumulate
+            continue
+        if target is hook_ops.call_node_post_hooks:
+            target = hook_ops.node_post_hooks_native()
+        elif target is ddp_buckets.ready:
+            target = ddp_buckets.ready_native()
+        if isinstance(target, torch._ops.OpOverload):
+            fast = bindings.fastest(node) if plain or apart else None
+            target = fast if fast is not None else bindings.direct(target)
+        elif apart and not bindings.is_plain_call(target):
+            target = bindings.as_user(target)
+        node.target = target
     boxed = frees_inputs_early(gm.graph)
     if boxed:
         graph.set_codegen(_DropsUnusedInputs(
@@ -70,6 +84,8 @@ def eager(gm: fx.GraphModule, example_inputs: list):
     forward = private.forward
     if plain:
         forward = _without_torch_function(forward)
+    elif apart:
+        forward = bindings.without_torch_function(forward)
     if not boxed:
         return forward
 

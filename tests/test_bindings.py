@@ -9,7 +9,9 @@ function serves.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 
 import torch
 import torch.fx as fx
@@ -18,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 import gradfx
 from gradfx.backends import bindings, builtin
+from gradfx.capture import native
 from helpers import assert_same, grads_of
 
 aten = torch.ops.aten
@@ -78,6 +81,8 @@ def _code(compiled) -> str:
             found.append(owner.code)
         todo += [c.cell_contents for c in getattr(fn, "__closure__", None) or () if callable(c.cell_contents)]
         todo += [f for f in (getattr(fn, "_boxed", None),) if f is not None]
+        if isinstance(fn, functools.partial):  # run_without_torch_function's
+            todo += [a for a in fn.args if callable(a)]
     (code,) = set(found)
     return code
 
@@ -122,15 +127,149 @@ def test_a_graph_with_bindings_runs_without_torch_function():
     assert torch.equal(t, aten.mm.default(a, b).t())
 
 
-def test_a_plain_graph_calls_bindings_and_a_hooked_one_does_not():
+def test_a_plain_graph_calls_bindings_and_a_hooked_one_does_where_its_hooks_get_the_state_back(monkeypatch):
     torch.manual_seed(0)
     model = _mlp()
     x = torch.randn(8, 16)
     code = _code(builtin.eager(gradfx.capture(model(x).sum()).graph_module, []))
     assert "bindings_torch_mm(" in code and "bindings_Tensor_view(" in code, code
     model[0].weight.register_hook(lambda g: g * 2)
-    code = _code(builtin.eager(gradfx.capture(model(x).sum()).graph_module, []))
-    assert "bindings_torch_" not in code and "bindings_aten_mm_default(" in code, code
+    hooked = gradfx.capture(model(x).sum()).graph_module
+    if native.module() is not None:
+        code = _code(builtin.eager(hooked, []))
+        assert "bindings_torch_mm(" in code and "_as_user(" in code, code
+    # Without the compiled part (its as_user), a hooked graph keeps the C functions.
+    monkeypatch.setattr(native, "module", lambda: None)
+    code = _code(builtin.eager(hooked, []))
+    assert "bindings_torch_" not in code and "bindings_aten_mm_default(" in code and "_as_user" not in code, code
+
+
+class _Scale(torch.autograd.Function):
+    log: list = []
+
+    @staticmethod
+    def forward(ctx, t):
+        return t * 1.5
+
+    @staticmethod
+    def backward(ctx, g):
+        _Scale.log.append(("backward", torch._C._is_torch_function_enabled()))
+        return torch.mul(g, 1.5)
+
+
+def _hooked_backward(model, x, log, under_gradfx: bool, *, raise_in_hook=False, around=contextlib.nullcontext):
+    """A backward whose tensor hook, custom backward and post-accumulate hook each compute
+    with torch (what a mode sees) and note whether torch functions are on."""
+    _Scale.log = log
+
+    def tensor_hook(g):
+        log.append(("tensor hook", torch._C._is_torch_function_enabled()))
+        if raise_in_hook:
+            raise ValueError("from the hook")
+        return torch.add(g, 1.0)
+
+    def post_hook(p):
+        log.append(("post hook", torch._C._is_torch_function_enabled()))
+        torch.sum(p.grad)
+
+    handles = [model[0].weight.register_post_accumulate_grad_hook(post_hook)]
+    h = model(x)
+    h.register_hook(tensor_hook)
+    loss = _Scale.apply(h).square().sum()
+    # The engine's entry, where Tensor.backward ends: a mode's handler of Tensor.backward would
+    # run it with the mode off, and the backward would compute without it.
+    engine = torch.autograd.variable.Variable._execution_engine
+    seed = torch.ones_like(loss)
+    try:
+        with around():
+            if under_gradfx:
+                with gradfx.compiled_autograd(backend="eager", strict=True):
+                    engine.run_backward((loss,), (seed,), False, False, (), True, True)
+            else:
+                engine.run_backward((loss,), (seed,), False, False, (), True, True)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_hooks_find_torch_functions_on_or_off_as_in_eager():
+    """Handlers on, or off around the backward: the hooks and the custom backward find them
+    so, as in eager, while the graph's own ops run with them off."""
+    torch.manual_seed(0)
+    eager = _mlp()
+    gfx = copy.deepcopy(eager)
+    x = torch.randn(8, 16)
+    for around in (contextlib.nullcontext, torch._C.DisableTorchFunction, contextlib.nullcontext):
+        logs = []
+        for model, under in ((eager, False), (gfx, True)):
+            model.zero_grad(set_to_none=True)
+            log = []
+            _hooked_backward(model, x, log, under, around=around)
+            logs.append(log)
+        assert logs[0] == logs[1] and len(logs[0]) == 3, logs
+        assert all(on is (around is contextlib.nullcontext) for _, on in logs[0]), logs
+        assert_same(grads_of(eager.parameters()), grads_of(gfx.parameters()))
+    assert torch._C._is_torch_function_enabled()
+
+
+def _seen_by_hook(log):
+    def hook(t):
+        log.append(torch._C._is_torch_function_enabled())
+        return torch.add(t, 1.0)
+    return hook
+
+
+def test_a_hooked_graph_hides_its_ops_from_a_mode_and_shows_it_the_hooks():
+    """A mode on the stack while the graph runs (one a hook entered, or one around a
+    backward that gradfx found cached) sees what a hook computes, as eager's hooks would
+    show it, and none of the graph's ops, as none of eager's engine's.  Without the
+    compiled part the graph's ops keep the C functions, which a mode sees."""
+    if native.module() is None:
+        return
+    log = []
+    hook = _seen_by_hook(log)
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    a.meta["val"], b.meta["val"] = torch.empty(4, 3), torch.empty(3, 5)
+    mm = graph.call_function(aten.mm.default, (a, b))
+    mm.meta["val"] = torch.empty(4, 5)
+    hooked = graph.call_function(hook, (mm,))
+    hooked.meta["val"] = torch.empty(4, 5)
+    flat = graph.call_function(aten.view.default, (hooked, [20]))
+    flat.meta["val"] = torch.empty(20)
+    graph.output((graph.call_function(aten.sum.dim_IntList, (flat, [0], True)),))
+    compiled = builtin.eager(fx.GraphModule(torch.nn.Module(), graph), [])
+    code = _code(compiled)
+    assert "bindings_torch_mm(" in code and "hook_as_user(" in code, code
+    x, y = torch.randn(4, 3), torch.randn(3, 5)
+    expected = aten.sum.dim_IntList(aten.view.default(aten.add.Tensor(aten.mm.default(x, y), 1.0), [20]), [0], True)
+    mode = _Counting()
+    with mode:
+        (seen,) = compiled(x, y)
+    assert mode.calls == ["add"] and log == [True], (mode.calls, log)
+    with torch._C.DisableTorchFunction():
+        (off,) = compiled(x, y)
+    (on,) = compiled(x, y)
+    assert log == [True, False, True], log
+    for out in (seen, off, on):
+        assert torch.equal(out, expected)
+    assert torch._C._is_torch_function_enabled()
+
+
+def test_a_hook_that_raises_leaves_torch_functions_on():
+    torch.manual_seed(0)
+    model = _mlp()
+    x = torch.randn(8, 16)
+    for under in (False, True):
+        log = []
+        try:
+            _hooked_backward(model, x, log, under, raise_in_hook=True)
+        except ValueError as err:
+            assert "from the hook" in str(err)
+        else:
+            raise AssertionError("the hook's error was lost")
+        assert log == [("backward", True), ("tensor hook", True)], log
+        assert torch._C._is_torch_function_enabled() and not torch._C._is_torch_function_all_disabled()
 
 
 def test_training_with_bindings_is_bitwise_eager():

@@ -166,18 +166,27 @@ class _Counted:
 def _run_case(rank, case):
     import gradfx
     from gradfx.capture.runtime import ddp_buckets
-    divide_into = ddp_buckets.DIVIDE_INTO
+    from gradfx.capture import native
+    divide_into, ready_native = ddp_buckets.DIVIDE_INTO, ddp_buckets.ready_native
     ddp_buckets.DIVIDE_INTO = case.get("divide_into", divide_into)
+    readies = []  # what the eager backend's code calls for each ready
+
+    def recorded():
+        fn = ready_native()
+        readies.append(fn.__name__)
+        return fn
+    ddp_buckets.ready_native = recorded
     try:
         with split_pieces(_ready_calls) as pieces:  # per graph a split backend compiled
             runs = {under_gradfx: _steps(rank, case, under_gradfx) for under_gradfx in (False, True)}
     finally:
-        ddp_buckets.DIVIDE_INTO = divide_into
+        ddp_buckets.DIVIDE_INTO, ddp_buckets.ready_native = divide_into, ready_native
     (eager, eager_collectives, _), (captured, gradfx_collectives, model) = runs[False], runs[True]
     return {"pieces": pieces, "equal": len(eager) == len(captured) and all(_same(a, b) for a, b in zip(eager, captured)),
             "eager_collectives": eager_collectives, "gradfx_collectives": gradfx_collectives,
             "params": len(list(model.parameters())), "stats": gradfx.stats(),
-            "last_grads": [p.grad.tolist() for p in model.module.parameters()]}
+            "last_grads": [p.grad.tolist() for p in model.module.parameters()],
+            "readies": set(readies), "native": native.module() is not None}
 
 
 def _steps(rank, case, under_gradfx) -> tuple:
@@ -232,6 +241,9 @@ CASES = {
     "no_sync": {"no_sync": True, "ddp": {"bucket_cap_mb": 0.004}},
     "user_hook_reads_grads": {"user_hook": True},
     "comm_hook": {"comm_hook": True},
+    # channels_last weights: gradients that are not contiguous, in one bucket and in several
+    "channels_last": {"model": "convs"},
+    "channels_last_buckets": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}},
     "users_backend": {"backend": "gm"},
     # a compiling backend: the calls that complete no bucket run after the region with
     # the accumulations, the one completing a bucket cuts it (PIECES)
@@ -327,6 +339,10 @@ def test_python_reducer_buckets_equal_eager(results, name):
     if name in TURNING:
         assert per_rank == TURNING[name](params), per_rank
         return
+    if case_backend(CASES[name]) == "eager" and "comm_hook" not in name and name not in ("one_rank_falls_back",):
+        # the eager backend's graphs call the compiled part's ready (its common case in C++)
+        got = results[(name, 0)]
+        assert got["readies"] == ({"bucket_ready_native"} if got["native"] else {"ready"}), got["readies"]
     if name.startswith("stop_on_one_rank"):
         _check_one_rank_stopped(name, per_rank)
         return

@@ -152,19 +152,21 @@ def reducer_of(hook):
     code = getattr(func, "__code__", None)
     if code is None:
         return None
-    if code is not _known[0]:
+    if code is not recognized_hook[0]:
         if code.co_name != _HOOK_NAME or getattr(func, "__module__", None) != _HOOK_MODULE \
                 or "self" not in code.co_freevars:
             return None
-        _known[:] = [code, code.co_freevars.index("self")]
+        recognized_hook[:] = [code, code.co_freevars.index("self")]
     try:
-        ddp = func.__closure__[_known[1]].cell_contents
+        ddp = func.__closure__[recognized_hook[1]].cell_contents
     except (IndexError, TypeError, ValueError):  # ValueError: an empty cell
         return None
     return ddp if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else None
 
 
-_known: list = [None, 0]  # the code object of DDP's hook, once seen, and its ``self``'s cell
+# The code object of DDP's hook, once seen, and its ``self``'s cell (native/buckets.cpp reads
+# it too).
+recognized_hook: list = [None, 0]
 
 
 def reducer_hook_alone(hook) -> bool:

@@ -34,11 +34,14 @@ Each gradient is eager's, bit for bit:
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import NamedTuple
 
 import torch
 
+from .. import native
+from ..graph import distributed
 from ..graph.distributed import reducer_of
 from . import ddp_agreement, hook_ops
 
@@ -110,7 +113,7 @@ class Buckets:
         self.launched = [False] * len(plan)  # bucket -> its all-reduce started (or zeros sent for it)
         self.group = [None] * len(plan)  # bucket -> the process group its all-reduce goes to
         self.written = [[] for _ in plan]  # bucket -> (grad, member) of each member it reduces
-        self.works = []  # (work, bucket, buffer) of the all-reduces started
+        self.works = []  # (work, bucket, buffer, in_order) of the all-reduces started
         self.alone = []  # (grad, its all-reduced sum) of members reduced on their own
 
     def ready(self, bucket: int, member: int, hook, variable, node=None) -> None:
@@ -224,12 +227,29 @@ class Buckets:
             return
         total, members, ring, gaps = self.plan[bucket]
         group = self.group[bucket] or agreement.groups[0]
+        size = group.size()
+        complete = len(written) == len(members) - trailer
+        in_order = complete and not ring  # the members follow each other in the buffer, as written
+        if in_order and 1 < len(written) + trailer and total < DIVIDE_INTO * len(members):
+            # The common case, in one call: the members' gradients flattened, in order, into
+            # a new buffer (a copy: with two or more of them), then divided.
+            grads = [grad for grad, _ in written]
+            if trailer:
+                grads.append(grads[0].new_empty(1) if grads else torch.empty(1, dtype=members[0][2],
+                                                                              device=agreement.device))
+            flat = _flatten(grads)
+            flat.div_(size)
+            if not trailer:
+                self._launch(bucket, flat, group, in_order)
+                return
+            piece = flat[total - 1:]
+            piece.fill_(1)
+            self.first = (self._launch(bucket, flat, group, in_order), flat, piece)
+            return
         if written:
             flat = torch.empty(total, dtype=written[0][0].dtype, device=written[0][0].device)
         else:  # a bucket of a run with the trailer, nothing to reduce
             flat = torch.empty(total, dtype=members[0][2], device=agreement.device)
-        size = group.size()
-        complete = len(written) == len(members) - trailer
         if not complete or ring:
             for begin, stop in gaps:
                 flat[begin:stop].zero_()
@@ -245,7 +265,7 @@ class Buckets:
             for piece, value in zip(into, values):
                 torch.div(value, size, out=piece)
         else:
-            if complete and not ring:
+            if in_order:
                 torch.cat(grads, out=flat[:total - trailer])
             else:
                 into, values = _pieces(flat, self.plan[bucket], written, grads)
@@ -255,12 +275,17 @@ class Buckets:
         if trailer:
             (piece,), _ = _pieces(flat, self.plan[0], [(None, len(members) - 1)], ())
             piece.fill_(1)
-        import torch.distributed as dist
-        work = dist.all_reduce(flat, group=group, async_op=True)
-        self.works.append((work, bucket, flat))
-        self.launched[bucket] = True
+        work = self._launch(bucket, flat, group, in_order)
         if trailer:
             self.first = (work, flat, piece)
+
+    def _launch(self, bucket: int, flat: torch.Tensor, group, in_order: bool):
+        """Start the bucket's all-reduce; ``in_order``: its members' sums lie in the buffer in
+        the order written, one after the other (finish copies them back in one call)."""
+        work = torch.distributed.all_reduce(flat, group=group, async_op=True)
+        self.works.append((work, bucket, flat, in_order))
+        self.launched[bucket] = True
+        return work
 
     def finish(self) -> None:
         """Wait for every all-reduce started and copy each sum into its ``.grad``.
@@ -276,8 +301,13 @@ class Buckets:
         if self.agreement is not None:
             self._may_bucket(None)
         works, self.works = self.works, []
-        for work, bucket, flat in works:
+        for work, bucket, flat, in_order in works:
             work.wait()
+            if in_order:  # each sum a view of the buffer in its gradient's shape
+                grads = [grad for grad, _ in self.written[bucket]]
+                torch._foreach_copy_(grads, _unflatten(flat, grads))
+                self.written[bucket] = []
+                continue
             targets, later = [], []
             for grad, _ in self.written[bucket]:
                 if grad.is_contiguous():
@@ -294,6 +324,10 @@ class Buckets:
         alone, self.alone = self.alone, []
         for grad, reduced in alone:
             grad.copy_(reduced)
+
+
+_flatten = torch._C._nn.flatten_dense_tensors  # one tensor: a view of it; more: one new tensor (cat)
+_unflatten = torch._C._nn.unflatten_dense_tensors  # views of the buffer, one per tensor, in its shape
 
 
 def _pieces(flat: torch.Tensor, planned: tuple, written: list, flat_grads) -> tuple[list, list]:
@@ -351,3 +385,20 @@ starting = threading.local()
 # What the graph calls (the methods themselves: a frame less on every call)
 ready = Buckets.ready
 finish = Buckets.finish
+
+
+def ready_native():
+    """What the eager backend's graphs call for :func:`ready`: the compiled part's C function
+    (native/buckets.cpp: the common case in C++, ``Buckets.ready`` for every other) as fx's
+    code can name it, where the compiled part is loaded; else ``Buckets.ready``."""
+    module = native.module()
+    if module is None:
+        return ready
+    if not _native:
+        module.set_bucket_fallback(Buckets.ready, distributed.recognized_hook, torch.nn.parallel.DistributedDataParallel,
+                                   functools.partial, torch.nn.Parameter)
+        _native.append(native.named(module.bucket_ready, "bucket_ready_native"))
+    return _native[0]
+
+
+_native: list = []
