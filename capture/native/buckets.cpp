@@ -94,9 +94,9 @@ bool joined(PyObject* const* args, bool* failed) {
   PyObject* variable = args[4];
   Held held;
   PyObject* ddp = held(ddp_of(args[3]));
-  if (ddp == nullptr || truthy(held(PyObject_GetAttr(ddp, names.comm_hooks))) ||
-      !truthy(held(PyObject_GetAttr(ddp, names.sync)))) {
-    PyErr_Clear();
+  PyObject* comm_hooks = ddp == nullptr ? nullptr : held(PyObject_GetAttr(ddp, names.comm_hooks));
+  if (comm_hooks == nullptr || truthy(comm_hooks) || !truthy(held(PyObject_GetAttr(ddp, names.sync)))) {
+    PyErr_Clear();  // what cannot be read: the reference reads it, and raises what it raises
     return false;
   }
   if (!(THPVariable_CheckExact(variable) || reinterpret_cast<PyObject*>(Py_TYPE(variable)) == parameter_type)) {
