@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/utils/grad_layout_contract.h>
+#include "methods.h"
 
 namespace py = pybind11;
 
@@ -123,18 +124,14 @@ PyObject* set_fallback(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nar
   Py_RETURN_NONE;
 }
 
-#define GRADFX_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&f))
 PyMethodDef accumulate_def = {"accumulate_grad", GRADFX_FASTCALL(accumulate), METH_FASTCALL,
                               "AccumulateGrad as eager runs it, for the eager backend's graphs"};
 PyMethodDef refcount_def = {"refcount", refcount, METH_O, "the argument's reference count as a C function sees it"};
 PyMethodDef fallback_def = {"set_accumulate_fallback", GRADFX_FASTCALL(set_fallback), METH_FASTCALL,
                             "what accumulate_grad hands every other case to"};
-#undef GRADFX_FASTCALL
 
 }  // namespace
 
 void add_accumulate(py::module_& m) {
-  for (PyMethodDef* def : {&accumulate_def, &refcount_def, &fallback_def}) {
-    m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_New(def, nullptr));
-  }
+  gradfx_native::add_functions(m, {&accumulate_def, &refcount_def, &fallback_def});
 }

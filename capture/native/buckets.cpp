@@ -14,6 +14,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include "methods.h"
 
 namespace py = pybind11;
 
@@ -230,12 +231,10 @@ PyObject* set_fallback(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nar
   Py_RETURN_NONE;
 }
 
-#define GRADFX_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&f))
 PyMethodDef ready_def = {"bucket_ready", GRADFX_FASTCALL(ready), METH_FASTCALL,
                          "Buckets.ready's common case, for the eager backend's graphs"};
 PyMethodDef fallback_def = {"set_bucket_fallback", GRADFX_FASTCALL(set_fallback), METH_FASTCALL,
                             "what bucket_ready hands every other case to, and what it recognizes DDP's hook by"};
-#undef GRADFX_FASTCALL
 
 }  // namespace
 
@@ -247,7 +246,5 @@ void add_buckets(py::module_& m) {
            PyUnicode_InternFromString("answer"),        PyUnicode_InternFromString("left"),
            PyUnicode_InternFromString("group"),         PyUnicode_InternFromString("written"),
            PyUnicode_InternFromString("_start")};
-  for (PyMethodDef* def : {&ready_def, &fallback_def}) {
-    m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_New(def, nullptr));
-  }
+  gradfx_native::add_functions(m, {&ready_def, &fallback_def});
 }

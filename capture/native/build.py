@@ -17,7 +17,7 @@ import traceback
 
 SOURCES = ("module.cpp", "hidden.cpp", "walk.cpp", "structure.cpp", "saved.cpp", "program.cpp", "accumulate.cpp",
            "post_hooks.cpp", "fields.cpp", "buckets.cpp", "torch_function.cpp")
-HEADERS = ("checks.h",)
+HEADERS = ("checks.h", "methods.h")
 
 
 def build(directory: str, name: str) -> None:

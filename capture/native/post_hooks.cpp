@@ -19,6 +19,7 @@
 
 #include <cstring>
 #include <typeinfo>
+#include "methods.h"
 
 namespace py = pybind11;
 using torch::autograd::Node;
@@ -162,7 +163,6 @@ PyObject* call_node_post_hooks(PyObject* /*self*/, PyObject* const* args, Py_ssi
   END_HANDLE_TH_ERRORS
 }
 
-#define GRADFX_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&f))
 PyMethodDef count_def = {"cpp_post_hooks", cpp_post_hooks, METH_O,
                          "how many of a builtin node's post-hooks are C++ hooks"};
 PyMethodDef all_cpp_def = {"post_hooks_all_cpp", post_hooks_all_cpp, METH_O,
@@ -171,12 +171,9 @@ PyMethodDef running_def = {"set_running", set_running, METH_O,
                            "the thread-local whose attribute node names the running node"};
 PyMethodDef call_def = {"call_node_post_hooks", GRADFX_FASTCALL(call_node_post_hooks), METH_FASTCALL,
                         "run a node's post-hooks, C++ and Python, as the engine does"};
-#undef GRADFX_FASTCALL
 
 }  // namespace
 
 void add_post_hooks(py::module_& m) {
-  for (PyMethodDef* def : {&count_def, &all_cpp_def, &running_def, &call_def}) {
-    m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_New(def, nullptr));
-  }
+  gradfx_native::add_functions(m, {&count_def, &all_cpp_def, &running_def, &call_def});
 }

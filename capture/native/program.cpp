@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "methods.h"
 
 namespace py = pybind11;
 
@@ -887,10 +888,10 @@ PyObject* program_fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t
 }
 
 PyMethodDef compile_def = {
-    "compile_program", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&compile_program)), METH_FASTCALL,
+    "compile_program", GRADFX_FASTCALL(compile_program), METH_FASTCALL,
     "a walk plan (walk_program.plan's tuple) parsed once with the recorded nodes, for program()"};
 PyMethodDef program_def = {
-    "program", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&program_fastcall)), METH_FASTCALL,
+    "program", GRADFX_FASTCALL(program_fastcall), METH_FASTCALL,
     "a cache-hit walk of builtin nodes and leaves: (nodes, owned, inputs, sizes, seq) or None"};
 
 }  // namespace
@@ -899,6 +900,5 @@ void add_program(py::module_& m) {
   if (PyType_Ready(&walked_type) < 0) {
     throw py::error_already_set();
   }
-  m.attr("compile_program") = py::reinterpret_steal<py::object>(PyCFunction_New(&compile_def, nullptr));
-  m.attr("program") = py::reinterpret_steal<py::object>(PyCFunction_New(&program_def, nullptr));
+  gradfx_native::add_functions(m, {&compile_def, &program_def});
 }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "methods.h"
 
 namespace py = pybind11;
 using torch::autograd::Node;
@@ -312,12 +313,10 @@ PyObject* saved_fastcall(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return call<3>(saved_tuple, args, nargs, "saved(node, (offsets, expected), sizes)");
 }
 
-#define GRADFX_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&f))
 PyMethodDef offsets_def = {"offsets", GRADFX_FASTCALL(offsets_fastcall), METH_FASTCALL,
                            "where a builtin node's saved variables lie in it (byte offsets), or None"};
 PyMethodDef saved_def = {"saved", GRADFX_FASTCALL(saved_fastcall), METH_FASTCALL,
                          "a builtin node's saved tensors checked and unpacked (pass 1), or None"};
-#undef GRADFX_FASTCALL
 
 }  // namespace
 
@@ -443,9 +442,7 @@ void add_saved(py::module_& m) {
   m.def("reset_at", &reset_at, "release a builtin node's saved variables at these offsets");
   m.def("with_saved", &with_saved, "fn(*args) with a node's saved variables holding the given tensors");
   m.def("reset_saved", &reset_saved, "release saved variables as the engine does after their node ran");
-  for (PyMethodDef* def : {&offsets_def, &saved_def}) {
-    m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_New(def, nullptr));
-  }
+  gradfx_native::add_functions(m, {&offsets_def, &saved_def});
   if (PyType_Ready(&held_type) < 0) {
     throw py::error_already_set();
   }

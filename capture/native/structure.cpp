@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "methods.h"
 
 namespace py = pybind11;
 using torch::autograd::Node;
@@ -387,16 +388,14 @@ PyObject* plain_call(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
 PyMethodDef compile_def = {"compile_structure", &compile_structure, METH_O,
                            "a structure plan (roots, types, edges, chain) parsed once, for structure()"};
 PyMethodDef structure_def = {
-    "structure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&structure_fastcall)), METH_FASTCALL,
+    "structure", GRADFX_FASTCALL(structure_fastcall), METH_FASTCALL,
     "the walker's roots, types, edges and sequence order checked: (nodes, sequence numbers) or None"};
 PyMethodDef plain_call_def = {
-    "plain_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&plain_call)), METH_FASTCALL,
+    "plain_call", GRADFX_FASTCALL(plain_call), METH_FASTCALL,
     "(tensors, grads, inputs) of a backward call: True where gradfx's Python checks would all pass it"};
 
 }  // namespace
 
 void add_structure(py::module_& m) {
-  m.attr("compile_structure") = py::reinterpret_steal<py::object>(PyCFunction_New(&compile_def, nullptr));
-  m.attr("structure") = py::reinterpret_steal<py::object>(PyCFunction_New(&structure_def, nullptr));
-  m.attr("plain_call") = py::reinterpret_steal<py::object>(PyCFunction_New(&plain_call_def, nullptr));
+  gradfx_native::add_functions(m, {&compile_def, &structure_def, &plain_call_def});
 }

@@ -13,6 +13,7 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <pybind11/pybind11.h>
+#include "methods.h"
 
 namespace py = pybind11;
 
@@ -64,18 +65,14 @@ PyObject* as_user(PyObject* /*self*/, PyObject* const* args, size_t nargsf, PyOb
   return PyObject_Vectorcall(args[0], args + 1, nargs - 1, kwnames);
 }
 
-#define GRADFX_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&f))
 PyMethodDef run_def = {"run_without_torch_function", GRADFX_FASTCALL(run_without), METH_FASTCALL,
                        "forward(*args) with every torch-function handler off; calls through as_user get the "
                        "state found"};
 PyMethodDef as_user_def = {"as_user", GRADFX_FASTCALL(as_user), METH_FASTCALL | METH_KEYWORDS,
                            "fn(*args, **kwargs) with the torch-function state run_without_torch_function found"};
-#undef GRADFX_FASTCALL
 
 }  // namespace
 
 void add_torch_function(py::module_& m) {
-  for (PyMethodDef* def : {&run_def, &as_user_def}) {
-    m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_New(def, nullptr));
-  }
+  gradfx_native::add_functions(m, {&run_def, &as_user_def});
 }

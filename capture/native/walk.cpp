@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "methods.h"
 
 namespace py = pybind11;
 using torch::autograd::Node;
@@ -255,9 +256,9 @@ PyObject* fastcall(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) 
   return PyBool_FromLong(ok);
 }
 
-PyMethodDef metas_def = {"metas", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<metas_tuple>)),
+PyMethodDef metas_def = {"metas", GRADFX_FASTCALL(fastcall<metas_tuple>),
                          METH_FASTCALL, "emit_metas' checks of a node's input metadata; its shapes appended to sizes"};
-PyMethodDef tensor_def = {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<tensor_tuple>)),
+PyMethodDef tensor_def = {"tensor", GRADFX_FASTCALL(fastcall<tensor_tuple>),
                           METH_FASTCALL, "emit_tensor's checks of a tensor; its sizes (strides) appended to sizes"};
 
 // Does the node take the gradient of a tensor subclass (its input metadata says so; no
@@ -279,7 +280,7 @@ PyObject* subclass_inputs(PyObject* /*self*/, PyObject* object) {
 PyMethodDef subclass_inputs_def = {"subclass_inputs", subclass_inputs, METH_O,
                                    "does the node take a tensor subclass's gradient"};
 
-PyMethodDef leaf_def = {"leaf", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&leaf_fastcall)),
+PyMethodDef leaf_def = {"leaf", GRADFX_FASTCALL(leaf_fastcall),
                         METH_FASTCALL, "AccumulateKind.check's reads of a leaf: the leaf, or None"};
 
 }  // namespace
@@ -311,8 +312,5 @@ bool gradfx_native::tensor(PyObject* obj, const TensorSpec& spec, std::vector<in
 }
 
 void add_walk(py::module_& m) {
-  m.attr("metas") = py::reinterpret_steal<py::object>(PyCFunction_New(&metas_def, nullptr));
-  m.attr("tensor") = py::reinterpret_steal<py::object>(PyCFunction_New(&tensor_def, nullptr));
-  m.attr("leaf") = py::reinterpret_steal<py::object>(PyCFunction_New(&leaf_def, nullptr));
-  m.attr("subclass_inputs") = py::reinterpret_steal<py::object>(PyCFunction_New(&subclass_inputs_def, nullptr));
+  gradfx_native::add_functions(m, {&metas_def, &tensor_def, &leaf_def, &subclass_inputs_def});
 }
