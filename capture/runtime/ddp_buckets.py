@@ -231,25 +231,32 @@ class Buckets:
         complete = len(written) == len(members) - trailer
         in_order = complete and not ring  # the members follow each other in the buffer, as written
         if in_order and 1 < len(written) + trailer and total < DIVIDE_INTO * len(members):
-            # The common case, in one call: the members' gradients flattened, in order, into
-            # a new buffer (a copy: with two or more of them), then divided.
+            # The common case: the members' gradients flattened in order into a new buffer in
+            # one call (a copy: of two tensors or more; the trailer's place one more), divided.
             grads = [grad for grad, _ in written]
             if trailer:
-                grads.append(grads[0].new_empty(1) if grads else torch.empty(1, dtype=members[0][2],
-                                                                              device=agreement.device))
+                grads.append(grads[0].new_empty(1))
             flat = _flatten(grads)
             flat.div_(size)
-            if not trailer:
-                self._launch(bucket, flat, group, in_order)
-                return
-            piece = flat[total - 1:]
+        else:
+            flat = self._filled(bucket, trailer, complete, in_order, size)
+        if trailer:
+            (piece,), _ = _pieces(flat, self.plan[0], [(None, len(members) - 1)], ())
             piece.fill_(1)
-            self.first = (self._launch(bucket, flat, group, in_order), flat, piece)
-            return
+        work = self._launch(bucket, flat, group, in_order)
+        if trailer:
+            self.first = (work, flat, piece)
+
+    def _filled(self, bucket: int, trailer: bool, complete: bool, in_order: bool, size: int) -> torch.Tensor:
+        """The bucket's buffer, each written member's gradient divided in its place, the places
+        of members with nothing to reduce and the layout's gaps zeroed (the trailer's left to
+        the caller)."""
+        written = self.written[bucket]
+        total, members, ring, gaps = self.plan[bucket]
         if written:
             flat = torch.empty(total, dtype=written[0][0].dtype, device=written[0][0].device)
         else:  # a bucket of a run with the trailer, nothing to reduce
-            flat = torch.empty(total, dtype=members[0][2], device=agreement.device)
+            flat = torch.empty(total, dtype=members[0][2], device=self.agreement.device)
         if not complete or ring:
             for begin, stop in gaps:
                 flat[begin:stop].zero_()
@@ -272,12 +279,7 @@ class Buckets:
                 if into:
                     torch._foreach_copy_(into, values)
             flat.div_(size)
-        if trailer:
-            (piece,), _ = _pieces(flat, self.plan[0], [(None, len(members) - 1)], ())
-            piece.fill_(1)
-        work = self._launch(bucket, flat, group, in_order)
-        if trailer:
-            self.first = (work, flat, piece)
+        return flat
 
     def _launch(self, bucket: int, flat: torch.Tensor, group, in_order: bool):
         """Start the bucket's all-reduce; ``in_order``: its members' sums lie in the buffer in
