@@ -70,9 +70,17 @@ _user_calls: dict = {}
 
 
 def without_torch_function(forward):
-    """``forward`` run with every torch-function handler off, the state it found kept for
-    the calls :func:`as_user` makes (the compiled part's ``run_without_torch_function``)."""
-    return functools.partial(native.module().run_without_torch_function, forward)
+    """``forward`` run with every torch-function handler off: where the compiled part is
+    loaded its ``run_without_torch_function``, which keeps the state it found for the calls
+    :func:`as_user` makes; else, for a graph that makes none, ``DisableTorchFunction``."""
+    module = native.module()
+    if module is not None:
+        return functools.partial(module.run_without_torch_function, forward)
+
+    def run(*args):
+        with torch._C.DisableTorchFunction():
+            return forward(*args)
+    return run
 
 
 def direct(op: torch._ops.OpOverload):

@@ -82,9 +82,7 @@ def eager(gm: fx.GraphModule, example_inputs: list):
             {n.name for n in graph.find_nodes(op="placeholder") if not n.users}))
     private = fx.GraphModule(gm, graph)
     forward = private.forward
-    if plain:
-        forward = _without_torch_function(forward)
-    elif apart:
+    if plain or apart:
         forward = bindings.without_torch_function(forward)
     if not boxed:
         return forward
@@ -93,16 +91,6 @@ def eager(gm: fx.GraphModule, example_inputs: list):
         return forward(list(args))
     run._boxed = forward
     return run
-
-
-def _without_torch_function(forward):
-    def run(*args):
-        with _DisableTorchFunction():
-            return forward(*args)
-    return run
-
-
-_DisableTorchFunction = torch._C.DisableTorchFunction
 
 
 class _DropsUnusedInputs(_BoxedCodeGen):
