@@ -176,17 +176,30 @@ def _run_case(rank, case):
         readies.append(fn.__name__)
         return fn
     ddp_buckets.ready_native = recorded
+    native.wait()  # loaded now, as the parent has it: its ring copies are bound
+    ring_fill, ring_read = ddp_buckets._ring_fill, ddp_buckets._ring_read
+    ring_copies = set()  # (which, the compiled part's answer) of a ring bucket's copies
+
+    def answered(name, fn):
+        def copy(*args):
+            answer = fn(*args)
+            ring_copies.add((name, answer))
+            return answer
+        return copy
+    if ring_fill is not None:
+        ddp_buckets._ring_fill, ddp_buckets._ring_read = answered("fill", ring_fill), answered("read", ring_read)
     try:
         with split_pieces(_ready_calls) as pieces:  # per graph a split backend compiled
             runs = {under_gradfx: _steps(rank, case, under_gradfx) for under_gradfx in (False, True)}
     finally:
         ddp_buckets.DIVIDE_INTO, ddp_buckets.ready_native = divide_into, ready_native
+        ddp_buckets._ring_fill, ddp_buckets._ring_read = ring_fill, ring_read
     (eager, eager_collectives, _), (captured, gradfx_collectives, model) = runs[False], runs[True]
     return {"pieces": pieces, "equal": len(eager) == len(captured) and all(_same(a, b) for a, b in zip(eager, captured)),
             "eager_collectives": eager_collectives, "gradfx_collectives": gradfx_collectives,
             "params": len(list(model.parameters())), "stats": gradfx.stats(),
             "last_grads": [p.grad.tolist() for p in model.module.parameters()],
-            "readies": set(readies), "native": native.module() is not None}
+            "readies": set(readies), "native": native.module() is not None, "ring_copies": ring_copies}
 
 
 def _steps(rank, case, under_gradfx) -> tuple:
@@ -509,6 +522,11 @@ def test_more_ranks_buckets_keep_each_parameters_order(world):
             _check_one_rank_stopped(name, per_rank)
             continue
         assert all(p == per_rank[0] for p in per_rank), (name, per_rank)
+        got = results[(name, 0)]
+        if name in ("buckets", "one_bucket") and got["native"]:  # float gradients: the compiled part copies
+            assert got["ring_copies"] == {("fill", True), ("read", True)}, got["ring_copies"]
+        elif name.startswith("channels_last") and got["native"]:  # buckets of strided ones: the reference
+            assert {("fill", False), ("read", False)} <= got["ring_copies"], got["ring_copies"]
         if name == "one_bucket":
             assert per_rank[0] == [(1, 0)] * STEPS
         elif name in ("buckets", "channels_last", "channels_last_divided_into"):

@@ -16,7 +16,8 @@ import time
 import traceback
 
 SOURCES = ("module.cpp", "hidden.cpp", "walk.cpp", "structure.cpp", "saved.cpp", "program.cpp", "accumulate.cpp",
-           "post_hooks.cpp", "fields.cpp", "buckets.cpp", "torch_function.cpp")
+           "post_hooks.cpp", "fields.cpp", "buckets.cpp", "ring_copy.cpp",
+           "torch_function.cpp")
 HEADERS = ("checks.h", "methods.h")
 
 

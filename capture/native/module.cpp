@@ -4,7 +4,8 @@
 // program.cpp (a whole walk of builtin nodes and leaves in one call); for the eager
 // backend's graphs accumulate.cpp (AccumulateGrad); for graphs that run a node's C++
 // post-hooks (DistributedDataParallel's reducer) post_hooks.cpp; for the bucketed graphs
-// of DDP's Python reducer buckets.cpp (Buckets.ready); for graphs that call user code
+// of DDP's Python reducer buckets.cpp (Buckets.ready) and ring_copy.cpp (the copies of a
+// bucket laid out for gloo's ring); for graphs that call user code
 // torch_function.cpp (aten ops without __torch_function__, user code with its state).
 #include <pybind11/pybind11.h>
 
@@ -18,6 +19,7 @@ void add_program(py::module_& m);
 void add_accumulate(py::module_& m);
 void add_post_hooks(py::module_& m);
 void add_buckets(py::module_& m);
+void add_ring_copy(py::module_& m);
 void add_torch_function(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -30,5 +32,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   add_accumulate(m);
   add_post_hooks(m);
   add_buckets(m);
+  add_ring_copy(m);
   add_torch_function(m);
 }

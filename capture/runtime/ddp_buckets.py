@@ -250,13 +250,16 @@ class Buckets:
     def _filled(self, bucket: int, trailer: bool, complete: bool, in_order: bool, size: int) -> torch.Tensor:
         """The bucket's buffer, each written member's gradient divided in its place, the places
         of members with nothing to reduce and the layout's gaps zeroed (the trailer's left to
-        the caller)."""
+        the caller).  A ring bucket's float gradients the compiled part copies in one pass;
+        what follows is its reference."""
         written = self.written[bucket]
         total, members, ring, gaps = self.plan[bucket]
         if written:
             flat = torch.empty(total, dtype=written[0][0].dtype, device=written[0][0].device)
         else:  # a bucket of a run with the trailer, nothing to reduce
             flat = torch.empty(total, dtype=members[0][2], device=self.agreement.device)
+        if ring and _ring_fill is not None and _ring_fill(flat, members, ring, written, size):
+            return flat  # in one pass, where the compiled part takes the gradients (native/ring_copy.cpp)
         if not complete or ring:
             for begin, stop in gaps:
                 flat[begin:stop].zero_()
@@ -310,6 +313,10 @@ class Buckets:
                 torch._foreach_copy_(grads, _unflatten(flat, grads))
                 self.written[bucket] = []
                 continue
+            total, members, ring, _ = self.plan[bucket]
+            if ring and _ring_read is not None and _ring_read(flat, members, ring, self.written[bucket]):
+                self.written[bucket] = []
+                continue
             targets, later = [], []
             for grad, _ in self.written[bucket]:
                 if grad.is_contiguous():
@@ -327,6 +334,18 @@ class Buckets:
         for grad, reduced in alone:
             grad.copy_(reduced)
 
+
+# The copies of a ring bucket in the compiled part (None until it loads), which answer False
+# where they decline the gradients (not float or double, not contiguous): then _pieces'.
+_ring_fill = _ring_read = None
+
+
+def _bind_ring_copy(module) -> None:
+    global _ring_fill, _ring_read
+    _ring_fill, _ring_read = module.ring_fill, module.ring_read
+
+
+native.when_loaded(_bind_ring_copy)
 
 _flatten = torch._C._nn.flatten_dense_tensors  # one tensor: a view of it; more: one new tensor (cat)
 _unflatten = torch._C._nn.unflatten_dense_tensors  # views of the buffer, one per tensor, in its shape
