@@ -102,7 +102,25 @@ class TwoDDPs(nn.Module):
         return stack
 
 
-MODELS = {"net": Net, "branches": Branches, "shared_branches": SharedBranches, "convs": Convs, "wide": lambda: Wide(32), "two_ddps": TwoDDPs}
+class CollectiveHook(Net):
+    """Net whose encoder output has a hook that broadcasts a sum of its gradient from rank 0
+    and adds it in: a collective of the user's among DDP's all-reduces, which each rank
+    must issue at the same place in their order, whatever path each backward takes."""
+
+    def forward(self, x):
+        h = self.encoder(x)
+        if h.requires_grad:
+            h.register_hook(_broadcast_sum)
+        return self.head(h)
+
+
+def _broadcast_sum(grad):
+    total = grad.sum().reshape(1)
+    dist.broadcast(total, 0)
+    return grad + total * 1e-3
+
+
+MODELS = {"net": Net, "collective_hook": CollectiveHook, "branches": Branches, "shared_branches": SharedBranches, "convs": Convs, "wide": lambda: Wide(32), "two_ddps": TwoDDPs}
 
 
 def _build(case, seen):
@@ -291,6 +309,13 @@ CASES = {
     # rank all-reduces the rest alone
     "stop_on_one_rank_first": {"stop": True, "model": "shared_branches", "stop_ranks": (1,), "stop_step": 0},
     "stop_on_one_rank_later": {"stop": True, "model": "shared_branches", "stop_ranks": (1,), "stop_step": 2},
+    # a user's hook with a collective of its own between the buckets: what is pending goes out
+    # before it on every rank, on every path
+    "collective_hook": {"model": "collective_hook", "ddp": {"bucket_cap_mb": 0.004}},
+    "collective_hook_falls_back": {"model": "collective_hook", "ddp": {"bucket_cap_mb": 0.004},
+                                   "fallback_ranks": (1,)},
+    "collective_hook_falls_back_later": {"model": "collective_hook", "ddp": {"bucket_cap_mb": 0.004},
+                                         "fallback_ranks": (1,), "fallback_steps": (2,)},
 }
 # The collectives each rank issues where ranks take different paths: (buckets, alone) per step.
 # The eager engine's rank: one per parameter (functional collectives); the bucketing rank: the
@@ -301,7 +326,10 @@ TURNING = {"one_rank_falls_back_later": lambda params: [[(4, 0), (4, 0), (4, par
            "all_ranks_cut_elsewhere_later": lambda params: [[(1, 0), (1, 0), (2, 0)], [(1, 0), (1, 0), (2, 0)]],
            # the exchange says no: no bucket goes out on any rank
            "two_ddps_falls_back_later": lambda params: [[(1, 0), (1, 0), (0, params)], [(1, 0), (1, 0), (0, params)]],
-           "aot_eager_falls_back_later": lambda params: [[(2, 0), (2, 0), (2, params)], [(2, 0), (2, 0), (0, params)]]}
+           "aot_eager_falls_back_later": lambda params: [[(2, 0), (2, 0), (2, params)], [(2, 0), (2, 0), (0, params)]],
+           # the trailer's bucket goes out before the user's broadcast, the rest alone after the exchange
+           "collective_hook_falls_back_later": lambda params: [[(5, 0), (5, 0), (1, params)],
+                                                               [(5, 0), (5, 0), (0, params)]]}
 MORE_RANK_CASES = {"buckets": CASES["buckets"], "one_bucket": CASES["one_bucket"], "stop": CASES["stop"],
                    "channels_last": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}},
                    "channels_last_divided_into": {"model": "convs", "ddp": {"bucket_cap_mb": 0.004}, "divide_into": 1},
@@ -367,7 +395,7 @@ def test_python_reducer_buckets_equal_eager(results, name):
         assert collectives == results[("buckets", 0)]["gradfx_collectives"], collectives
     elif name == "comm_hook":
         assert collectives == results[(name, 0)]["eager_collectives"] == [(params, 0)] * STEPS  # the hook's own
-    elif name == "buckets":
+    elif name in ("buckets", "collective_hook"):
         assert all(1 < buckets < params and alone == 0 for buckets, alone in collectives), collectives
     elif name == "no_sync":
         assert collectives[0] == (0, 0) and collectives[1][0] > 1, collectives  # nothing reduced under no_sync
@@ -380,7 +408,7 @@ def test_python_reducer_buckets_equal_eager(results, name):
         assert collectives == [(2, 0)] * STEPS, collectives
     elif name == "aot_eager_comm_hook_later":  # the comm hook's own all-reduces, one per parameter
         assert collectives == [(2, 0), (2, 0), (params, 0)], collectives
-    elif name in ("one_rank_falls_back", "one_rank_cuts_elsewhere"):
+    elif name in ("one_rank_falls_back", "one_rank_cuts_elsewhere", "collective_hook_falls_back"):
         assert collectives == [(0, params)] * STEPS, collectives  # each parameter alone, on every rank
 
 

@@ -88,10 +88,22 @@ def _build(case, events):
             p.register_post_accumulate_grad_hook(lambda p, name=name: events.append(("accumulated", name)))
     if "comm_hook" in case:
         model.register_comm_hook(*_comm_hook(case["comm_hook"], events))
+    if case.get("collective_hooks"):  # a collective of the user's between the reducer's buckets
+        model.module.b.weight.register_post_accumulate_grad_hook(
+            lambda p: events.append(("broadcast", _broadcast_sum(p.grad).sum().item())))
     return model
 
 
-def _step(model, events, x, use_spare, racy):
+def _broadcast_sum(grad):
+    """``grad`` plus a thousandth of rank 0's sum of it: a collective at the hook's place,
+    which every rank must issue at the same point of its collectives, whatever its path."""
+    import torch.distributed as dist
+    total = grad.sum().reshape(1)
+    dist.broadcast(total, 0)
+    return grad + total * 1e-3
+
+
+def _step(model, events, x, use_spare, racy, collective=False):
     out = model(x, use_spare)
 
     def queue_final(g):
@@ -102,6 +114,8 @@ def _step(model, events, x, use_spare, racy):
             lambda: events.append(("final", None if racy else
                                    [None if p.grad is None else p.grad.tolist() for p in params])))
     out.register_hook(queue_final)
+    if collective:  # before any of the reducer's hooks
+        out.register_hook(_broadcast_sum)
     return out.square().sum()
 
 
@@ -125,7 +139,8 @@ def _events(rank, case, under_gradfx) -> list:
         if not case.get("no_sync") or not sync:  # no_sync: the synced step adds to the last one's
             model.zero_grad()
         with (model.no_sync() if not sync else torch.enable_grad()):
-            loss = _step(model, events, x, use_spare, case.get("ddp", {}).get("gradient_as_bucket_view", False))
+            loss = _step(model, events, x, use_spare, case.get("ddp", {}).get("gradient_as_bucket_view", False),
+                         case.get("collective_hooks", False))
             if under_gradfx and rank in case.get("fallback_ranks", ()):
                 # anomaly mode: gradfx hands this rank's backward to the eager engine
                 with warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True):
@@ -167,6 +182,9 @@ CASES = {
     # rank 0 under gradfx, rank 1 on the eager engine: the collectives still pair up
     "one_rank_under_gradfx": {"gradfx_ranks": (0,)},
     "one_rank_falls_back": {"fallback_ranks": (1,)},
+    # the user's broadcasts, one before the reducer's first hook and one between its buckets
+    "collective_hooks": {"collective_hooks": True},
+    "collective_hooks_one_rank_falls_back": {"collective_hooks": True, "fallback_ranks": (1,)},
 }
 
 
@@ -191,7 +209,8 @@ def test_ddp_reducer_runs_as_in_eager(results, name):
         eager, captured = got["eager"], got["gradfx"]
         kinds = {e[0] for e in eager}
         assert ({"final", "grads"} | ({"bucket"} if "comm_hook" in CASES[name] else set())
-                | (set() if CASES[name].get("quiet") else {"accumulated"})) <= kinds
+                | (set() if CASES[name].get("quiet") else {"accumulated"})
+                | ({"broadcast"} if CASES[name].get("collective_hooks") else set())) <= kinds
         assert captured == eager, f"rank {rank}: events or gradients differ from eager DDP's"
         falls_back = rank in CASES[name].get("fallback_ranks", ())
         under = rank in CASES[name].get("gradfx_ranks", (0, 1)) and not falls_back
