@@ -79,40 +79,48 @@ bool plain(PyObject* obj, c10::ScalarType dtype, int64_t numel, char** data) {
   return true;
 }
 
-// (flat, members, ring, written): the buffer's first element and the pieces to copy, or
-// false (nothing set) where the reference must do it.  ``missing_too``: members nothing was
-// written for are pieces too (their cells zeroed).
-bool parse(PyObject* const* args, Py_ssize_t nargs, int nfixed, c10::ScalarType* dtype, int64_t* row,
-           int64_t* ring, char** flat, std::vector<Member>* members, std::vector<Piece>* pieces, bool missing_too) {
+// A call's bucket: the buffer's first element and the pieces to copy.
+struct Bucket {
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  int64_t row = 0, ring = 0;
+  char* flat = nullptr;
+  std::vector<Member> members;
+  std::vector<Piece> pieces;  // each points into ``members``
+};
+
+// (flat, members, ring, written, ...): the call's bucket, or false where the
+// reference must do it.  ``missing_too``: members nothing was written for are pieces too
+// (their cells zeroed).
+bool parse(PyObject* const* args, Py_ssize_t nargs, int nfixed, bool missing_too, Bucket* b) {
   if (nargs != nfixed || !THPVariable_Check(args[0]) || !PyList_Check(args[3])) {
     return false;
   }
   const at::Tensor& buffer = THPVariable_Unpack(args[0]);
-  *dtype = buffer.scalar_type();
-  if (*dtype != c10::kFloat && *dtype != c10::kDouble) {
+  b->dtype = buffer.scalar_type();
+  if (b->dtype != c10::kFloat && b->dtype != c10::kDouble) {
     return false;
   }
-  *ring = PyLong_AsLongLong(args[2]);
+  b->ring = PyLong_AsLongLong(args[2]);
   if (PyErr_Occurred()) {
     PyErr_Clear();
     return false;
   }
-  if (*ring <= 0 || buffer.numel() % *ring != 0 || !read_members(args[1], members)) {
+  if (b->ring <= 0 || buffer.numel() % b->ring != 0 || !read_members(args[1], &b->members)) {
     return false;
   }
   if (buffer.numel() > kAlone && at::get_num_threads() > 1) {
     return false;  // ATen's copies, in parallel, beat one thread here
   }
-  *row = buffer.numel() / *ring;
-  if (!plain(args[0], *dtype, buffer.numel(), flat)) {
+  b->row = buffer.numel() / b->ring;
+  if (!plain(args[0], b->dtype, buffer.numel(), &b->flat)) {
     return false;
   }
-  for (const Member& m : *members) {  // every cell inside the buffer, as the layout promises
-    if (m.column < 0 || m.width < 0 || m.numel < 0 || m.column + m.width > *row || m.numel > *ring * m.width) {
+  for (const Member& m : b->members) {  // every cell inside the buffer, as the layout promises
+    if (m.column < 0 || m.width < 0 || m.numel < 0 || m.column + m.width > b->row || m.numel > b->ring * m.width) {
       return false;
     }
   }
-  std::vector<char> seen(members->size(), 0);
+  std::vector<char> seen(b->members.size(), 0);
   PyObject* written = args[3];
   for (Py_ssize_t k = 0; k < PyList_GET_SIZE(written); ++k) {
     PyObject* pair = PyList_GET_ITEM(written, k);
@@ -124,21 +132,21 @@ bool parse(PyObject* const* args, Py_ssize_t nargs, int nfixed, c10::ScalarType*
       PyErr_Clear();
       return false;
     }
-    if (index < 0 || index >= static_cast<long long>(members->size()) || seen[index]) {
+    if (index < 0 || index >= static_cast<long long>(b->members.size()) || seen[index]) {
       return false;
     }
     seen[index] = 1;
-    const Member* m = &(*members)[index];
+    const Member* m = &b->members[index];
     char* data = nullptr;
-    if (!plain(PyTuple_GET_ITEM(pair, 0), *dtype, m->numel, &data)) {
+    if (!plain(PyTuple_GET_ITEM(pair, 0), b->dtype, m->numel, &data)) {
       return false;
     }
-    pieces->push_back({m, data});
+    b->pieces.push_back({m, data});
   }
   if (missing_too) {
-    for (size_t k = 0; k < members->size(); ++k) {
+    for (size_t k = 0; k < b->members.size(); ++k) {
       if (!seen[k]) {
-        pieces->push_back({&(*members)[k], nullptr});
+        b->pieces.push_back({&b->members[k], nullptr});
       }
     }
   }
@@ -207,12 +215,8 @@ void read(const T* flat, int64_t row, int64_t ring, const std::vector<Piece>& pi
 // ring_fill(flat, members, ring, written, size): every cell of the buffer written, each
 // written member's gradient divided by ``size`` in its cells, zeros everywhere else.
 PyObject* ring_fill(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  c10::ScalarType dtype;
-  int64_t row, ring;
-  char* flat;
-  std::vector<Member> members;
-  std::vector<Piece> pieces;
-  if (!parse(args, nargs, 5, &dtype, &row, &ring, &flat, &members, &pieces, true)) {
+  Bucket b;
+  if (!parse(args, nargs, 5, true, &b)) {
     Py_RETURN_FALSE;
   }
   const long long size = PyLong_AsLongLong(args[4]);
@@ -220,10 +224,10 @@ PyObject* ring_fill(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs)
     PyErr_Clear();
     Py_RETURN_FALSE;
   }
-  if (dtype == c10::kFloat) {
-    fill(reinterpret_cast<float*>(flat), row, ring, members, pieces, static_cast<float>(size));
+  if (b.dtype == c10::kFloat) {
+    fill(reinterpret_cast<float*>(b.flat), b.row, b.ring, b.members, b.pieces, static_cast<float>(size));
   } else {
-    fill(reinterpret_cast<double*>(flat), row, ring, members, pieces, static_cast<double>(size));
+    fill(reinterpret_cast<double*>(b.flat), b.row, b.ring, b.members, b.pieces, static_cast<double>(size));
   }
   Py_RETURN_TRUE;
 }
@@ -231,18 +235,14 @@ PyObject* ring_fill(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs)
 // ring_read(flat, members, ring, written): each written member's sums copied from its cells
 // into its gradient.
 PyObject* ring_read(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  c10::ScalarType dtype;
-  int64_t row, ring;
-  char* flat;
-  std::vector<Member> members;
-  std::vector<Piece> pieces;
-  if (!parse(args, nargs, 4, &dtype, &row, &ring, &flat, &members, &pieces, false)) {
+  Bucket b;
+  if (!parse(args, nargs, 4, false, &b)) {
     Py_RETURN_FALSE;
   }
-  if (dtype == c10::kFloat) {
-    read(reinterpret_cast<const float*>(flat), row, ring, pieces);
+  if (b.dtype == c10::kFloat) {
+    read(reinterpret_cast<const float*>(b.flat), b.row, b.ring, b.pieces);
   } else {
-    read(reinterpret_cast<const double*>(flat), row, ring, pieces);
+    read(reinterpret_cast<const double*>(b.flat), b.row, b.ring, b.pieces);
   }
   Py_RETURN_TRUE;
 }

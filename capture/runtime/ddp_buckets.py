@@ -313,7 +313,7 @@ class Buckets:
                 torch._foreach_copy_(grads, _unflatten(flat, grads))
                 self.written[bucket] = []
                 continue
-            total, members, ring, _ = self.plan[bucket]
+            _, members, ring, _ = self.plan[bucket]
             if ring and _ring_read is not None and _ring_read(flat, members, ring, self.written[bucket]):
                 self.written[bucket] = []
                 continue
